@@ -1,0 +1,18 @@
+"""gradops: CANN's training backward operators for PyTorch, on CPU and NVIDIA GPUs.
+
+Every function takes torch tensors, returns new tensors and never writes into its inputs. Invalid input raises
+:class:`OpError` carrying CANN's status code.
+"""
+
+from .ops import (embedding_dense_backward, hardswish, hardswish_backward, layer_norm, layer_norm_backward,
+                  layer_norm_grad, layer_norm_grad_beta, moe_token_permute, moe_token_permute_grad, rms_norm,
+                  rms_norm_grad)
+from .status import OpError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OpError", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
+    "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad", "rms_norm",
+    "rms_norm_grad",
+]

@@ -1,0 +1,110 @@
+"""Checks shared by every operator's validation table.
+
+Each helper raises :class:`~gradops.status.OpError` with the CANN status code and a message naming the
+argument, what was expected and what was given. They read only metadata (shape, dtype, device, strides), so
+they also run on fake tensors while ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, OpError
+
+#: aclnn tensors have at most 8 dims.
+MAX_RANK = 8
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+_DTYPE_NAMES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
+    torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
+    torch.int64: "int64", torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def dtypes_text(dtypes: Iterable[torch.dtype]) -> str:
+    return "one of {" + ", ".join(dtype_name(d) for d in dtypes) + "}"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def fail(status: int, op: str, arg: str, expected: str, given: str) -> OpError:
+    return OpError(status, op, arg, expected, given)
+
+
+def require_present(op: str, **tensors: object) -> None:
+    """161001 for the first argument that is None; 161002 for one that is not a tensor."""
+    for name, t in tensors.items():
+        if t is None:
+            raise fail(ACLNN_ERR_PARAM_NULLPTR, op, name, "a tensor", "None")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a torch.Tensor", type(t).__name__)
+
+
+def require_dtype(op: str, name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.dtype", dtypes_text(allowed), dtype_name(t.dtype))
+
+
+def require_same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.dtype", f"{dtype_name(ref.dtype)} (the dtype of {ref_name})",
+                   dtype_name(t.dtype))
+
+
+def require_rank(op: str, name: str, t: torch.Tensor, lo: int, hi: int = MAX_RANK,
+                 status: int = ACLNN_ERR_PARAM_INVALID) -> None:
+    if not lo <= t.dim() <= hi:
+        expected = f"a tensor of {lo} to {hi} dims" if lo != hi else f"a {lo}-D tensor"
+        raise fail(status, op, f"{name}.dim()", expected, f"{t.dim()} (shape {shape_text(t.shape)})")
+
+
+def require_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[int], why: str = "",
+                  status: int = ACLNN_ERR_PARAM_INVALID) -> None:
+    if tuple(t.shape) != tuple(expected):
+        suffix = f" ({why})" if why else ""
+        raise fail(status, op, f"{name}.shape", shape_text(expected) + suffix, shape_text(t.shape))
+
+
+def require_same_device(op: str, **tensors: torch.Tensor) -> torch.device:
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.device", f"{first.device} (the device of {first_name})",
+                       str(t.device))
+    return first.device
+
+
+def require_contiguous(op: str, **tensors: torch.Tensor) -> None:
+    """The aclnn surfaces of ops whose seed says 'non-contiguous input not supported' call this."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a contiguous tensor",
+                       f"strides {tuple(t.stride())} for shape {shape_text(t.shape)}")
+
+
+def require_int(op: str, name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "an int", type(value).__name__)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"an int {bounds}", str(value))
+    return value
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,67 @@
+"""Validation table of aclnnEmbeddingDenseBackward.
+
+Sources: the seed (001) and hicann/ops-nn ``index/embedding_dense_grad_v2/op_api/aclnn_embedding_dense_backward.cpp``.
+Order: nulls (161001), dtypes, ranks, shapes (161002). Beyond CANN, which leaves out-of-range indices
+undefined, gradops refuses them (161002) before any kernel runs: no index is ever trusted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ._common import (FLOATS, MAX_RANK, fail, numel, require_dtype, require_int, require_present, require_rank,
+                      require_same_device, require_same_dtype, require_shape, shape_text)
+
+#: The nine index dtypes of the seed. Float indices are truncated toward zero, bool reads as 0/1 (CANN Cast).
+INDEX_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8,
+                torch.uint8, torch.bool)
+
+
+class EmbeddingPlan(NamedTuple):
+    rows: int  # N = indices.numel(): rows of the 2-D grad view
+    dim: int   # E = grad.shape[-1]
+
+
+def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, *,
+                                   out=None, cann: bool = False) -> EmbeddingPlan:
+    op = "embedding_dense_backward"
+    outs = {"out": out} if cann else {}
+    require_present(op, grad=grad, indices=indices, **outs)
+    require_int(op, "num_weights", num_weights, lo=0)
+    require_int(op, "padding_idx", padding_idx)
+    if not isinstance(scale_grad_by_freq, bool):
+        raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
+    require_same_device(op, grad=grad, indices=indices, **outs)
+    require_dtype(op, "grad", grad, FLOATS)
+    require_dtype(op, "indices", indices, INDEX_DTYPES)
+    if cann:
+        require_same_dtype(op, "out", out, "grad", grad)
+    require_rank(op, "grad", grad, 2, MAX_RANK)
+    require_rank(op, "indices", indices, 0, MAX_RANK)
+    dim = grad.shape[-1]
+    if dim != 0 and numel(grad.shape[:-1]) != indices.numel():
+        raise fail(INVALID, op, "grad.shape",
+                   f"leading dims whose product is indices.numel() = {indices.numel()}", shape_text(grad.shape))
+    if cann:
+        require_shape(op, "out", out, (num_weights, dim), "(numWeights, grad.shape[-1])")
+    return EmbeddingPlan(indices.numel(), dim)
+
+
+def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
+    """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
+    ``[0, num_weights)``. One host synchronisation (the range test); NaN and inf are refused too."""
+    flat = indices.reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.double().trunc()  # exact for float16/32/64 values; -0.5 -> -0.0 -> row 0 as in CANN
+    else:
+        flat = flat.long()
+    if flat.numel():
+        bad = ~((flat >= 0) & (flat < num_weights))  # NaN fails both comparisons
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            raise fail(INVALID, op, "indices", f"values in [0, num_weights) = [0, {num_weights}) "
+                       "after truncation toward zero", f"{indices.reshape(-1)[pos].item()} at flat position {pos}")
+    return flat.long()

@@ -1,0 +1,109 @@
+"""Validation table of LayerNorm, LayerNormGrad and LayerNormGradBeta (AscendC kernel APIs).
+
+AscendC's own table is T in {half, float}; the PyTorch API also takes bfloat16 (what LLM training runs in),
+and gamma/beta in float32 beside half inputs, as RmsNormGrad's table allows. ``cann=True`` restricts to
+AscendC's table. Statistics (mean, variance, rstd) are float32 or the dtype of x, with shape ``x.shape[:-1]``
+or its keepdim form ``x.shape[:-1] + (1,)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ._common import (FLOATS, MAX_RANK, dtypes_text, dtype_name, fail, numel, require_dtype, require_present,
+                      require_rank, require_same_device, require_same_dtype, require_shape, shape_text)
+
+ASCENDC_DTYPES = (torch.float16, torch.float32)
+
+
+class LayerNormPlan(NamedTuple):
+    rows: int
+    cols: int
+
+
+def _dtypes(cann: bool) -> tuple[torch.dtype, ...]:
+    return ASCENDC_DTYPES if cann else FLOATS
+
+
+def _check_param_dtype(op: str, name: str, p: torch.Tensor, x: torch.Tensor, cann: bool) -> None:
+    allowed = (x.dtype,) if cann else tuple(dict.fromkeys((x.dtype, torch.float32)))
+    if p.dtype not in allowed:
+        raise fail(INVALID, op, f"{name}.dtype", f"{dtypes_text(allowed)} for x of {dtype_name(x.dtype)}",
+                   dtype_name(p.dtype))
+
+
+def _check_stat(op: str, name: str, s: torch.Tensor, x: torch.Tensor) -> None:
+    allowed = tuple(dict.fromkeys((torch.float32, x.dtype)))
+    require_dtype(op, name, s, allowed)
+    rows = tuple(x.shape[:-1])
+    if tuple(s.shape) not in (rows, rows + (1,)):
+        raise fail(INVALID, op, f"{name}.shape", f"{shape_text(rows)} or {shape_text(rows + (1,))}",
+                   shape_text(s.shape))
+
+
+def _check_x(op: str, x: torch.Tensor, cann: bool) -> LayerNormPlan:
+    require_dtype(op, "x", x, _dtypes(cann))
+    require_rank(op, "x", x, 1, MAX_RANK)
+    return LayerNormPlan(numel(x.shape[:-1]), x.shape[-1])
+
+
+def check_layer_norm(x, gamma, beta, epsilon: float = 1e-5) -> LayerNormPlan:
+    """Validate ``layer_norm(x, gamma, beta, epsilon)`` (normalised over the last dim)."""
+    op = "layer_norm"
+    require_present(op, x=x, gamma=gamma, beta=beta)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_same_device(op, x=x, gamma=gamma, beta=beta)
+    plan = _check_x(op, x, False)
+    _check_param_dtype(op, "gamma", gamma, x, False)
+    _check_param_dtype(op, "beta", beta, x, False)
+    require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
+    require_shape(op, "beta", beta, x.shape[-1:], "(H,) with H = x.shape[-1]")
+    return plan
+
+
+def check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon: float = 1e-5, *, cann: bool = False) -> LayerNormPlan:
+    """Validate ``layer_norm_grad(dy, x, variance, mean, gamma, epsilon)`` (AscendC LayerNormGrad)."""
+    op = "layer_norm_grad"
+    require_present(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_same_device(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
+    plan = _check_x(op, x, cann)
+    require_same_dtype(op, "dy", dy, "x", x)
+    _check_param_dtype(op, "gamma", gamma, x, cann)
+    require_shape(op, "dy", dy, x.shape, "the shape of x")
+    _check_stat(op, "variance", variance, x)
+    _check_stat(op, "mean", mean, x)
+    require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
+    return plan
+
+
+def check_layer_norm_backward(dy, x, mean, rstd, gamma) -> LayerNormPlan:
+    """Validate the fused ``layer_norm_backward(dy, x, mean, rstd, gamma)``."""
+    op = "layer_norm_backward"
+    require_present(op, dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
+    require_same_device(op, dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
+    plan = _check_x(op, x, False)
+    require_same_dtype(op, "dy", dy, "x", x)
+    _check_param_dtype(op, "gamma", gamma, x, False)
+    require_shape(op, "dy", dy, x.shape, "the shape of x")
+    _check_stat(op, "mean", mean, x)
+    _check_stat(op, "rstd", rstd, x)
+    require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
+    return plan
+
+
+def check_layer_norm_grad_beta(res_for_gamma, dy, *, cann: bool = False) -> LayerNormPlan:
+    """Validate ``layer_norm_grad_beta(res_for_gamma, dy)`` (AscendC LayerNormGradBeta)."""
+    op = "layer_norm_grad_beta"
+    require_present(op, res_for_gamma=res_for_gamma, dy=dy)
+    require_same_device(op, res_for_gamma=res_for_gamma, dy=dy)
+    require_dtype(op, "dy", dy, _dtypes(cann))
+    require_same_dtype(op, "res_for_gamma", res_for_gamma, "dy", dy)
+    require_rank(op, "dy", dy, 1, MAX_RANK)
+    require_shape(op, "res_for_gamma", res_for_gamma, dy.shape, "the shape of dy")
+    return LayerNormPlan(numel(dy.shape[:-1]), dy.shape[-1])

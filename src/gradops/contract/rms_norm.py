@@ -1,0 +1,115 @@
+"""Validation table of RmsNorm (aclnnRmsNorm) and RmsNormGrad (aclnnRmsNormGrad).
+
+Sources: the seed (000), hicann/ops-nn ``norm/rms_norm_grad/op_host/rms_norm_grad_def.cpp`` (dtype table) and
+``rms_norm_grad_tiling.cpp`` (shape rules, which surface as 561002 because CANN checks them while tiling).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
+from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ._common import (FLOATS, MAX_RANK, dtype_name, dtypes_text, fail, numel, require_contiguous, require_dtype,
+                      require_present, require_rank, require_same_device, require_same_dtype, require_shape,
+                      shape_text)
+
+#: (dy/x dtype, gamma dtype) pairs of the seed's A2/A3 table. rstd and dgamma are float32, dx has dy's dtype.
+DTYPE_TABLE: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+})
+
+
+class RmsNormPlan(NamedTuple):
+    """The 2-D view every backend works on: ``rows`` x ``cols`` with ``cols = gamma.numel()``."""
+
+    rows: int
+    cols: int
+    rstd_shape: tuple[int, ...]  # the keepdim shape the forward returns: x.shape[:k] + (1,) * gamma.dim()
+
+
+def _check_gamma_dtype(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
+    if (x.dtype, gamma.dtype) not in DTYPE_TABLE:
+        allowed = sorted({g for xd, g in DTYPE_TABLE if xd == x.dtype}, key=str)
+        raise fail(INVALID, op, "gamma.dtype", f"{dtypes_text(allowed)} for x of {dtype_name(x.dtype)}",
+                   dtype_name(gamma.dtype))
+
+
+def _plan(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormPlan:
+    k = x.dim() - gamma.dim()
+    return RmsNormPlan(numel(x.shape[:k]), numel(gamma.shape), tuple(x.shape[:k]) + (1,) * gamma.dim())
+
+
+def _check_gamma_shape(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
+    require_rank(op, "x", x, 1, MAX_RANK, status)
+    require_rank(op, "gamma", gamma, 1, x.dim(), status)
+    require_shape(op, "gamma", gamma, x.shape[x.dim() - gamma.dim():], "the trailing dims of x", status)
+
+
+def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: bool = False) -> RmsNormPlan:
+    """Validate ``rms_norm(x, gamma, epsilon)``; with ``cann=True`` also the outputs yOut/rstdOut."""
+    op = "rms_norm"
+    outs = {"yOut": y, "rstdOut": rstd} if cann else {}
+    require_present(op, x=x, gamma=gamma, **outs)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_same_device(op, x=x, gamma=gamma, **outs)
+    require_dtype(op, "x", x, FLOATS)
+    _check_gamma_dtype(op, x, gamma)
+    if cann:
+        require_same_dtype(op, "yOut", y, "x", x)
+        require_dtype(op, "rstdOut", rstd, (torch.float32,))
+    _check_gamma_shape(op, x, gamma, INVALID)
+    plan = _plan(x, gamma)
+    if cann:
+        require_shape(op, "yOut", y, x.shape)
+        if tuple(rstd.shape) not in (plan.rstd_shape, tuple(x.shape[: x.dim() - gamma.dim()])):
+            raise fail(INVALID, op, "rstdOut.shape", f"{shape_text(plan.rstd_shape)}", shape_text(rstd.shape))
+    return plan
+
+
+def _check_rstd_shape(op: str, x: torch.Tensor, rstd: torch.Tensor, k: int, rows: int) -> None:
+    """CANN's 'broadcast' rule for rstd (rms_norm_grad_tiling.cpp CheckRstdShape)."""
+    require_rank(op, "rstd", rstd, 0, MAX_RANK, TILING)
+    rs, xs = tuple(rstd.shape), tuple(x.shape)
+    expected = f"x.shape[:{k}] = {shape_text(xs[:k])}, a prefix of it whose skipped dims are 1, or the keepdim form"
+    if rstd.dim() < k:
+        ok = rs == xs[: rstd.dim()] and all(s == 1 for s in xs[rstd.dim():k])
+    else:
+        ok = rs[:k] == xs[:k] and numel(rs) == rows
+    if not ok:
+        raise fail(TILING, op, "rstd.shape", expected, shape_text(rs))
+
+
+def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool = False) -> RmsNormPlan:
+    """Validate ``rms_norm_grad(dy, x, rstd, gamma)`` in CANN's order: nulls, dtypes, shapes (561002).
+
+    With ``cann=True`` (the aclnn surface) the outputs dxOut/dgammaOut are checked too, and what the seed does
+    not support is refused: empty tensors (561002) and non-contiguous inputs (161002). The PyTorch API accepts
+    both: empty rows give an empty dx and a zero dgamma.
+    """
+    op = "rms_norm_grad"
+    outs = {"dxOut": dx, "dgammaOut": dgamma} if cann else {}
+    require_present(op, dy=dy, x=x, rstd=rstd, gamma=gamma, **outs)
+    require_same_device(op, dy=dy, x=x, rstd=rstd, gamma=gamma, **outs)
+    require_dtype(op, "dy", dy, FLOATS)
+    require_same_dtype(op, "x", x, "dy", dy)
+    require_dtype(op, "rstd", rstd, (torch.float32,))
+    _check_gamma_dtype(op, x, gamma)
+    if cann:
+        require_same_dtype(op, "dxOut", dx, "dy", dy)
+        require_dtype(op, "dgammaOut", dgamma, (torch.float32,))
+    _check_gamma_shape(op, x, gamma, TILING)
+    require_shape(op, "dy", dy, x.shape, "the shape of x", TILING)
+    plan = _plan(x, gamma)
+    _check_rstd_shape(op, x, rstd, x.dim() - gamma.dim(), plan.rows)
+    if cann:
+        require_shape(op, "dxOut", dx, dy.shape, "the shape of dy", TILING)
+        require_shape(op, "dgammaOut", dgamma, gamma.shape, "the shape of gamma", TILING)
+        if dy.numel() == 0:
+            raise fail(TILING, op, "dy", "a non-empty tensor (empty tensors are not supported)", shape_text(dy.shape))
+        require_contiguous(op, dy=dy, x=x, rstd=rstd, gamma=gamma)
+    return plan

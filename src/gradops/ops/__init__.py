@@ -1,0 +1,17 @@
+"""torch.library operators (namespace ``gradops``) and the public functions that call them.
+
+Each op body is that op's single dispatch point: validate (the contract), pick a backend
+(:func:`gradops.backend.select`), reshape to the backend's 2-D view, run.
+"""
+
+from .embedding import embedding_dense_backward
+from .hardswish import hardswish, hardswish_backward
+from .layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
+from .moe_permute import moe_token_permute, moe_token_permute_grad
+from .rms_norm import rms_norm, rms_norm_grad
+
+__all__ = [
+    "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
+    "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad", "rms_norm",
+    "rms_norm_grad",
+]

@@ -1,0 +1,70 @@
+"""Hardswish / HardswishBackward: torch.library ops, autograd, and the public functions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backend import select
+from ..contract._common import require_present
+from ..contract.hardswish import check_hardswish, check_hardswish_backward
+
+
+@torch.library.custom_op("gradops::hardswish_backward", mutates_args=())
+def _hardswish_backward(grad_output: Tensor, self: Tensor) -> Tensor:
+    check_hardswish_backward(grad_output, self)
+    _, impl = select("hardswish_backward", self.device)
+    return impl(grad_output, self)
+
+
+@_hardswish_backward.register_fake
+def _(grad_output, self):
+    check_hardswish_backward(grad_output, self)
+    return torch.empty_like(self)
+
+
+@torch.library.custom_op("gradops::hardswish", mutates_args=())
+def _hardswish(self: Tensor) -> Tensor:
+    check_hardswish(self)
+    _, impl = select("hardswish", self.device)
+    return impl(self)
+
+
+@_hardswish.register_fake
+def _(self):
+    check_hardswish(self)
+    return torch.empty_like(self)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _hardswish_backward(grad, x)
+
+
+_hardswish.register_autograd(_backward, setup_context=_setup)
+
+
+def hardswish(self: Tensor) -> Tensor:
+    """``y = x * clamp(x + 3, 0, 6) / 6``; differentiable through :func:`hardswish_backward` (CANN's closed
+    interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides."""
+    require_present("hardswish", self=self)
+    return _hardswish(self)
+
+
+def hardswish_backward(grad_output: Tensor, self: Tensor) -> Tensor:
+    """aclnnHardswishBackward: ``grad_output * d(self)`` with ``d = 0`` below -3, ``x/3 + 0.5`` on the CLOSED
+    interval [-3, 3] (so ``d(-3) = -0.5`` and ``d(3) = 1.5``, where PyTorch >= 2.8 gives 0 and 1), 1 above 3.
+
+    Args:
+        grad_output: gradient of the forward's output, dtype and shape of ``self`` (no broadcasting).
+        self: the forward's input, float16 / bfloat16 / float32, 0 to 8 dims.
+
+    Returns:
+        A new tensor of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's 950 kernel).
+    """
+    require_present("hardswish_backward", gradOutput=grad_output, self=self)
+    return _hardswish_backward(grad_output, self)

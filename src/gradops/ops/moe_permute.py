@@ -1,0 +1,98 @@
+"""MoeTokenPermute / MoeTokenPermuteGrad: torch.library ops, autograd, and the public functions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backend import select
+from ..contract._common import require_present
+from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
+
+
+@torch.library.custom_op("gradops::moe_token_permute_grad", mutates_args=())
+def _moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                            padded_mode: bool) -> Tensor:
+    check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    checked_sorted_indices(sorted_indices)
+    _, impl = select("moe_token_permute_grad", permuted_output_grad.device)
+    return impl(permuted_output_grad, sorted_indices, num_topk)
+
+
+@_moe_token_permute_grad.register_fake
+def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
+    plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    return permuted_output_grad.new_empty((plan.tokens, plan.hidden))
+
+
+@torch.library.custom_op("gradops::moe_token_permute", mutates_args=())
+def _moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: Optional[int],
+                       padded_mode: bool) -> tuple[Tensor, Tensor]:
+    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+    _, impl = select("moe_token_permute", tokens.device)
+    return impl(tokens, indices, plan.rows)
+
+
+@_moe_token_permute.register_fake
+def _(tokens, indices, num_out_tokens, padded_mode):
+    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+    return tokens.new_empty((plan.rows, plan.hidden)), indices.new_empty((plan.tokens * plan.topk,),
+                                                                          dtype=torch.int32)
+
+
+def _setup(ctx, inputs, output):
+    _, indices, _, _ = inputs
+    ctx.topk = indices.shape[1] if indices.dim() == 2 else 1
+    ctx.save_for_backward(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_permuted, _grad_sorted_indices):
+    if grad_permuted is None:
+        return None, None, None, None
+    (sorted_indices,) = ctx.saved_tensors
+    return _moe_token_permute_grad(grad_permuted, sorted_indices, ctx.topk, False), None, None, None
+
+
+_moe_token_permute.register_autograd(_backward, setup_context=_setup)
+
+
+def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None = None,
+                      padded_mode: bool = False) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenPermute: group token copies by expert; differentiable w.r.t. tokens.
+
+    Args:
+        tokens: (T, H), float16 / bfloat16 / float32.
+        indices: (T, K) or (T,) expert ids, int32 / int64, 1 <= K <= 512.
+        num_out_tokens: keep only the first rows of the permuted order (token dropping); None or 0 keeps all
+            T*K, negative values count from the end as in a Python slice.
+        padded_mode: must be False (CANN supports only False).
+
+    Returns:
+        ``(permuted_tokens, sorted_indices)``: ``permuted_tokens[sorted_indices[t*K + k]] = tokens[t]``;
+        sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
+    """
+    require_present("moe_token_permute", tokens=tokens, indices=indices)
+    return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+
+def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                           padded_mode: bool = False) -> Tensor:
+    """aclnnMoeTokenPermuteGrad: ``out[t] = sum_{k<K} grad[sorted_indices[t*K + k]]`` (fp32 sum, k order).
+
+    Args:
+        permuted_output_grad: (A, H) with A <= T*K rows (fewer when the forward dropped tokens; indices >= A
+            then add nothing).
+        sorted_indices: (T*K,) int32 (int64 accepted), CANN's convention; values outside [0, T*K) raise
+            OpError 161002 before any kernel runs.
+        num_topk: K in [1, 512].
+        padded_mode: must be False.
+
+    Returns:
+        (T, H) in the gradient's dtype.
+    """
+    require_present("moe_token_permute_grad", permuted_output_grad=permuted_output_grad,
+                    sorted_indices=sorted_indices)
+    return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)

@@ -1,0 +1,95 @@
+"""RmsNorm / RmsNormGrad: torch.library ops, autograd, and the public functions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backend import select
+from ..contract._common import require_present
+from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
+
+
+@torch.library.custom_op("gradops::rms_norm_grad", mutates_args=())
+def _rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
+    _, impl = select("rms_norm_grad", x.device)
+    dx, dgamma = impl(dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
+    return dx.view(x.shape), dgamma.view(gamma.shape)
+
+
+@_rms_norm_grad.register_fake
+def _(dy, x, rstd, gamma):
+    check_rms_norm_grad(dy, x, rstd, gamma)
+    return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("gradops::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
+    _, impl = select("rms_norm", x.device)
+    y, rstd = impl(x.reshape(rows, cols), gamma.reshape(cols), epsilon)
+    return y.view(x.shape), rstd.view(rstd_shape)
+
+
+@_rms_norm.register_fake
+def _(x, gamma, epsilon):
+    plan = check_rms_norm(x, gamma, epsilon)
+    return x.new_empty(x.shape), x.new_empty(plan.rstd_shape, dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output):
+    x, gamma, _ = inputs
+    ctx.save_for_backward(x, gamma, output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, drstd):
+    x, gamma, rstd = ctx.saved_tensors
+    if dy is None and drstd is None:
+        return None, None, None
+    dx, dgamma = _rms_norm_grad(dy if dy is not None else torch.zeros_like(x), x, rstd, gamma)
+    if drstd is not None:  # rstd used downstream: d rstd / dx = -rstd^3 * x / D
+        d = gamma.numel()
+        dx = (dx.float() - drstd * rstd ** 3 * x.float() / d).to(x.dtype)
+    return dx, dgamma.to(gamma.dtype), None
+
+
+_rms_norm.register_autograd(_backward, setup_context=_setup)
+
+
+def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """RmsNorm forward (aclnnRmsNorm), differentiable through :func:`rms_norm_grad`.
+
+    Args:
+        x: input of 1 to 8 dims, float16 / bfloat16 / float32.
+        gamma: scale, shape ``x.shape[-gamma.dim():]``; dtype of x, or float32 with half x.
+        epsilon: added to ``mean(x^2)`` under the square root.
+
+    Returns:
+        ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 of shape
+        ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
+    """
+    require_present("rms_norm", x=x, gamma=gamma)
+    return _rms_norm(x, gamma, epsilon)
+
+
+def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    """RmsNorm backward (aclnnRmsNormGrad): one fused pass for dx and dgamma.
+
+    Args:
+        dy: gradient of y, shape and dtype of x.
+        x: the forward's input, 1 to 8 dims.
+        rstd: float32, ``x.shape[:k]`` with ``k = x.dim() - gamma.dim()``, its keepdim form, or a shorter prefix
+            when the skipped dims of x are 1. Used as given (eps is already inside it).
+        gamma: the forward's scale, shape ``x.shape[k:]``; dtype of x or float32 (with half x).
+
+    Returns:
+        ``(dx, dgamma)``: dx in dy's dtype; dgamma float32 in gamma's shape.
+
+    Raises:
+        OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table, 561002 for a shape
+            rule (CANN checks shapes while tiling).
+    """
+    require_present("rms_norm_grad", dy=dy, x=x, rstd=rstd, gamma=gamma)
+    return _rms_norm_grad(dy, x, rstd, gamma)

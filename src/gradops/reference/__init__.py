@@ -1,0 +1,17 @@
+"""Pure-torch implementations: the formulas of record, the portable path (any device), and - run with
+``compute=torch.float64`` - the oracle of ``gradops check``.
+
+Functions take the 2-D views and checked indices the dispatch layer prepares; they never validate.
+"""
+
+from .embedding import embedding_dense_backward
+from .hardswish import hardswish, hardswish_backward
+from .layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
+from .moe_permute import moe_token_permute, moe_token_permute_grad
+from .rms_norm import rms_norm, rms_norm_grad
+
+__all__ = [
+    "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
+    "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad", "rms_norm",
+    "rms_norm_grad",
+]

@@ -1,0 +1,70 @@
+"""LayerNorm, LayerNormGrad, LayerNormGradBeta and the fused backward in pure torch.
+
+LayerNormGrad follows AscendC's formula term by term (hiascend LayerNormGrad, semantics.md §4), including the
+``sum(x - mean)`` term that vanishes only when ``mean`` really is the row mean: CANN applies it literally, so
+does gradops. With consistent statistics the result equals PyTorch's ``native_layer_norm_backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float,
+               compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` over the last dim; var is the biased variance.
+    Returns y (x's dtype) and mean, variance of shape (rows,) in float32."""
+    xf = x.to(compute)
+    if x.shape[-1]:
+        mean = xf.mean(dim=-1)
+        var = (xf - mean[:, None]).square().mean(dim=-1)
+    else:
+        mean = var = xf.new_zeros(x.shape[:-1])
+    y = (xf - mean[:, None]) * torch.rsqrt(var + epsilon)[:, None] * gamma.to(compute) + beta.to(compute)
+    stat = torch.promote_types(torch.float32, compute)
+    return y.to(x.dtype), mean.to(stat), var.to(stat)
+
+
+def _grad_terms(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, compute: torch.dtype):
+    """pd_x and x_hat of AscendC LayerNormGrad, given rstd = (variance + eps)^-0.5 of shape (rows, 1)::
+
+        pd_xl   = dy * gamma
+        pd_var  = sum_H(-0.5 * pd_xl * (x - mean)) * rstd^3
+        pd_mean = sum_H(-pd_xl) * rstd + pd_var * (1/H) * sum_H(-2 * (x - mean))
+        pd_x    = pd_xl * rstd + pd_var * (2/H) * (x - mean) + pd_mean / H
+    """
+    h = x.shape[-1]
+    xmu = x.to(compute) - mean.to(compute)
+    pd_xl = dy.to(compute) * gamma.to(compute)
+    pd_var = (-0.5 * pd_xl * xmu).sum(dim=-1, keepdim=True) * rstd ** 3
+    pd_mean = (-pd_xl).sum(dim=-1, keepdim=True) * rstd + pd_var * (-2.0 * xmu).sum(dim=-1, keepdim=True) / h
+    pd_x = pd_xl * rstd + pd_var * (2.0 / h) * xmu + pd_mean / h
+    return pd_x, xmu * rstd
+
+
+def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float,
+                    compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """AscendC LayerNormGrad: returns ``(pd_x, res_for_gamma = (x - mean) * rstd)``, both in x's dtype."""
+    rstd = torch.rsqrt(variance.to(compute).reshape(-1, 1) + epsilon)
+    pd_x, xhat = _grad_terms(dy, x, mean.reshape(-1, 1), rstd, gamma, compute)
+    return pd_x.to(x.dtype), xhat.to(x.dtype)
+
+
+def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor,
+                         compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """AscendC LayerNormGradBeta: ``pd_gamma = sum_rows(dy * res_for_gamma)``, ``pd_beta = sum_rows(dy)``,
+    accumulated in float32 and cast once to the inputs' dtype."""
+    dyf = dy.to(compute)
+    pd_gamma = (dyf * res_for_gamma.to(compute)).sum(dim=0)
+    return pd_gamma.to(dy.dtype), dyf.sum(dim=0).to(dy.dtype)
+
+
+def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor,
+                        compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNormGrad and LayerNormGradBeta in one pass over dy and x: ``(dx, dgamma, dbeta)``, dx in x's
+    dtype, dgamma and dbeta in float32 (they feed parameter updates; one rounding, at the caller's cast)."""
+    pd_x, xhat = _grad_terms(dy, x, mean.reshape(-1, 1), rstd.to(compute).reshape(-1, 1), gamma, compute)
+    dyf = dy.to(compute)
+    out = torch.promote_types(torch.float32, compute)
+    return pd_x.to(x.dtype), (dyf * xhat).sum(dim=0).to(out), dyf.sum(dim=0).to(out)

@@ -1,0 +1,38 @@
+"""RmsNorm and RmsNormGrad in pure torch: the portable path and the formula of record.
+
+Inputs arrive as the 2-D views the dispatch layer makes (rows x cols, cols = gamma.numel()). Math runs in
+``compute`` (float32 by default, float64 for the CLI's oracle); results are cast once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x * rstd * gamma``; y in x's dtype, rstd float32 of shape (rows,)."""
+    xf = x.to(compute)
+    rstd = torch.rsqrt(xf.square().mean(dim=-1) + epsilon) if x.shape[-1] else xf.new_full(x.shape[:-1], epsilon ** -0.5)
+    y = xf * rstd[:, None] * gamma.to(compute)
+    return y.to(x.dtype), rstd.to(torch.promote_types(torch.float32, compute))
+
+
+def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
+                  compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """aclnnRmsNormGrad, applied literally (rstd is not re-derived from x)::
+
+        m[r]      = mean_j(dy[r,j] * gamma[j] * x[r,j] * rstd[r])
+        dx[r,j]   = (dy[r,j] * gamma[j] - x[r,j] * rstd[r] * m[r]) * rstd[r]      -> dtype of dy
+        dgamma[j] = sum_r dy[r,j] * x[r,j] * rstd[r]                              -> float32
+    """
+    xhat = x.to(compute) * rstd.to(compute)[:, None]
+    dyf = dy.to(compute)
+    wdy = dyf * gamma.to(compute)
+    if x.shape[-1]:
+        m = (wdy * xhat).mean(dim=-1, keepdim=True)
+        dx = (wdy - xhat * m) * rstd.to(compute)[:, None]
+    else:
+        dx = wdy
+    dgamma = (dyf * xhat).sum(dim=0)
+    return dx.to(dy.dtype), dgamma.to(torch.promote_types(torch.float32, compute))
