@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract._common import require_present
 from ..contract.hardswish import check_hardswish, check_hardswish_backward
 
 
@@ -51,7 +50,7 @@ _hardswish.register_autograd(_backward, setup_context=_setup)
 def hardswish(self: Tensor) -> Tensor:
     """``y = x * clamp(x + 3, 0, 6) / 6``; differentiable through :func:`hardswish_backward` (CANN's closed
     interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides."""
-    require_present("hardswish", self=self)
+    check_hardswish(self)  # here too: the schema would refuse a None first
     return _hardswish(self)
 
 
@@ -66,5 +65,5 @@ def hardswish_backward(grad_output: Tensor, self: Tensor) -> Tensor:
     Returns:
         A new tensor of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's 950 kernel).
     """
-    require_present("hardswish_backward", gradOutput=grad_output, self=self)
+    check_hardswish_backward(grad_output, self)
     return _hardswish_backward(grad_output, self)

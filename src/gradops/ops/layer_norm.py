@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract._common import require_present
 from ..contract.layer_norm import (check_layer_norm, check_layer_norm_backward, check_layer_norm_grad,
                                    check_layer_norm_grad_beta)
 
@@ -108,7 +107,7 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5) ->
         ``(y, mean, variance)``: y in x's dtype; mean and the biased variance in float32 of shape ``x.shape[:-1]``
         (the statistics AscendC LayerNormGrad takes).
     """
-    require_present("layer_norm", x=x, gamma=gamma, beta=beta)
+    check_layer_norm(x, gamma, beta, epsilon)  # here too: the schema would refuse a None first
     return _layer_norm(x, gamma, beta, epsilon)
 
 
@@ -121,14 +120,14 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     :func:`layer_norm_grad_beta`. Both results in x's dtype. mean and variance: float32 or x's dtype, shape
     ``x.shape[:-1]`` (or keepdim).
     """
-    require_present("layer_norm_grad", dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
+    check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
     return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
 
 
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGradBeta: ``pd_gamma = sum(dy * res_for_gamma)``, ``pd_beta = sum(dy)`` over every dim
     but the last; accumulated in float32, returned in the inputs' dtype (shape (H,))."""
-    require_present("layer_norm_grad_beta", res_for_gamma=res_for_gamma, dy=dy)
+    check_layer_norm_grad_beta(res_for_gamma, dy)
     return _layer_norm_grad_beta(res_for_gamma, dy)
 
 
@@ -138,5 +137,5 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     Returns:
         ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``.
     """
-    require_present("layer_norm_backward", dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
+    check_layer_norm_backward(dy, x, mean, rstd, gamma)
     return _layer_norm_backward(dy, x, mean, rstd, gamma)

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract._common import require_present
 from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
 
 
@@ -44,7 +43,9 @@ def _(tokens, indices, num_out_tokens, padded_mode):
 
 def _setup(ctx, inputs, output):
     _, indices, _, _ = inputs
-    ctx.topk = indices.shape[1] if indices.dim() == 2 else 1
+    # int(): under dynamic-shape tracing shape[1] is a SymInt, which the backward's validation (an int
+    # attribute of the schema) refuses; K is a model constant, so specialising on it costs no recompiles.
+    ctx.topk = int(indices.shape[1]) if indices.dim() == 2 else 1
     ctx.save_for_backward(output[1])
     ctx.set_materialize_grads(False)
 
@@ -74,7 +75,7 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         ``(permuted_tokens, sorted_indices)``: ``permuted_tokens[sorted_indices[t*K + k]] = tokens[t]``;
         sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
     """
-    require_present("moe_token_permute", tokens=tokens, indices=indices)
+    check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)  # the schema would refuse a None first
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
 
@@ -93,6 +94,5 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
     Returns:
         (T, H) in the gradient's dtype.
     """
-    require_present("moe_token_permute_grad", permuted_output_grad=permuted_output_grad,
-                    sorted_indices=sorted_indices)
+    check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)

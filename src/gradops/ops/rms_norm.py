@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract._common import require_present
 from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
 
 
@@ -70,7 +69,7 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6) -> tuple[Tensor, T
         ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 of shape
         ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
     """
-    require_present("rms_norm", x=x, gamma=gamma)
+    check_rms_norm(x, gamma, epsilon)  # here too: the schema would refuse a None or a bad scalar first
     return _rms_norm(x, gamma, epsilon)
 
 
@@ -91,5 +90,5 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[T
         OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table, 561002 for a shape
             rule (CANN checks shapes while tiling).
     """
-    require_present("rms_norm_grad", dy=dy, x=x, rstd=rstd, gamma=gamma)
+    check_rms_norm_grad(dy, x, rstd, gamma)
     return _rms_norm_grad(dy, x, rstd, gamma)

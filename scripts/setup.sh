@@ -1,0 +1,29 @@
+# Sourced by scripts/main.sh and scripts/test.sh: a virtual environment with gradops and what it needs.
+# Idempotent and quick when nothing changed (a stamp file records the installed pyproject).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${GRADOPS_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+
+stamp="$VENV/.gradops-installed"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | cksum)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # torch first, pinned only when absent: 2.13.0 is the local CPU wheel on our machines, while an unpinned
+  # or newer requirement would download several GB of CUDA packages.
+  if ! python -c "import torch" 2>/dev/null; then
+    echo "setup: installing torch==2.13.0" >&2
+    python -m pip install -q "torch==2.13.0"
+  fi
+  # triton 3.6 is what the lent GPU machines run: the interpreter tier tests the same Triton.
+  echo "setup: installing gradops[cpu,bench,dev] and triton==3.6.0" >&2
+  python -m pip install -q -e "$ROOT[cpu,bench,dev]" "triton==3.6.0"
+  echo "$want" > "$stamp"
+fi
+export GRADOPS_CACHE_DIR="${GRADOPS_CACHE_DIR:-$ROOT/.cache/gradops}"

@@ -1,0 +1,221 @@
+"""``gradops check``: every op, dtype, device and usable backend against the float64 reference.
+
+The oracle is :mod:`gradops.reference` run with float64 inputs and float64 math. Beside gradops' error the
+table shows PyTorch's own error on the same inputs where PyTorch has the op (its eager CPU/CUDA path in the
+same dtype). Error = max|out - ref| / max|ref| per output, worst output reported. A row passes when the
+error is within one ulp of the output dtype plus float32 accumulation error (``8·sqrt(n)·u32`` for a length-n
+reduction), or no larger than PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import backend, reference
+from .env import devices
+
+F32, F64 = torch.float32, torch.float64
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+U32 = torch.finfo(F32).eps / 2
+
+
+@dataclass
+class Case:
+    args: tuple                 # arguments of the public function gradops.<op>
+    ref_args: tuple             # arguments of gradops.reference.<op> (defaults to args)
+    lengths: tuple[int, ...]    # reduction length behind each output (for the tolerance)
+    peer: Callable | None       # PyTorch's own implementation, same inputs, same outputs
+    peer_mask: torch.Tensor | None = None  # elements where PyTorch's definition is the same as CANN's
+
+
+def _rstd(x, eps=1e-6):
+    return torch.rsqrt(x.float().square().mean(-1) + eps)
+
+
+def _autograd(fn, inputs, grad):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    return torch.autograd.grad(out, leaves, grad)
+
+
+def _cases(op: str, dtype: torch.dtype, device: torch.device, m: int, n: int, gen: torch.Generator) -> Case:
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(shape, generator=gen) * scale).to(dt).to(device)
+
+    if op == "rms_norm":
+        x, g = rnd(m, n), rnd(n)
+        return Case((x, g, 1e-6), (x, g, 1e-6), (n, n),
+                    lambda x, g, e: (F.rms_norm(x, (n,), g, e), _rstd(x, e)))
+    if op == "rms_norm_grad":
+        dy, x, g = rnd(m, n), rnd(m, n), rnd(n)
+        r = _rstd(x)
+        return Case((dy, x, r, g), (dy, x, r, g), (n, m),
+                    lambda dy, x, r, g: _autograd(lambda x, g: F.rms_norm(x, (n,), g, 1e-6), (x, g), dy))
+    if op in ("layer_norm", "layer_norm_grad", "layer_norm_backward", "layer_norm_grad_beta"):
+        x, g, b, dy = rnd(m, n, scale=2.0), rnd(n), rnd(n), rnd(m, n)
+        xf = x.float()
+        mean, var = xf.mean(-1), (xf - xf.mean(-1, keepdim=True)).square().mean(-1)
+
+        def ln_grads(*_):
+            return _autograd(lambda x, g, b: F.layer_norm(x, (n,), g, b, 1e-5), (x, g, b), dy)
+        if op == "layer_norm":
+            return Case((x, g, b, 1e-5), (x, g, b, 1e-5), (n, n, n),
+                        lambda x, g, b, e: (F.layer_norm(x, (n,), g, b, e), xf.mean(-1), var))
+        if op == "layer_norm_grad":
+            res = ((xf - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5)).to(dtype)
+            return Case((dy, x, var, mean, g, 1e-5), (dy, x, var, mean, g, 1e-5), (n, 1),
+                        lambda *a: (ln_grads()[0], res))
+        if op == "layer_norm_backward":
+            rstd = torch.rsqrt(var + 1e-5)
+            return Case((dy, x, mean, rstd, g), (dy, x, mean, rstd, g), (n, m, m), ln_grads)
+        res = ((xf - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5)).to(dtype)
+        return Case((res, dy), (res, dy), (m, m), lambda res, dy: ((dy * res).sum(0), dy.sum(0)))
+    if op in ("hardswish", "hardswish_backward"):
+        x = (torch.rand(m, n, generator=gen) * 12 - 6).to(dtype).to(device)
+        if op == "hardswish":
+            return Case((x,), (x,), (1,), lambda x: (F.hardswish(x),))
+        g = rnd(m, n)
+        # PyTorch >= 2.8 uses the open interval at +-3 (CANN: closed): compare it off those two points only.
+        return Case((g, x), (g, x), (1,), lambda g, x: (torch.ops.aten.hardswish_backward(g, x),),
+                    peer_mask=x.abs() != 3)
+    if op == "embedding_dense_backward":
+        vocab = 4 * m
+        grad, idx = rnd(8 * m, n), torch.randint(0, vocab, (8 * m,), generator=gen).to(device)
+        return Case((grad, idx, vocab, 3, True), (grad, idx, vocab, 3, True), (8 * m,),
+                    lambda grad, idx, v, p, s: (torch.ops.aten.embedding_dense_backward(grad, idx, v, p, s),))
+    k = 4
+    if op == "moe_token_permute":
+        tokens, experts = rnd(m, n), torch.randint(0, 8, (m, k), generator=gen).to(device)
+        rows = m * k - 3
+        return Case((tokens, experts, rows), (tokens, experts, rows), (1, 0),
+                    lambda t, e, r: (t[torch.argsort(e.flatten(), stable=True)[:r] // k],
+                                     torch.argsort(torch.argsort(e.flatten(), stable=True)).int()))
+    grad, perm = rnd(m * k, n), torch.randperm(m * k, generator=gen).int().to(device)
+
+    def index_add(grad, perm, k):  # Megatron's unfused backward: scatter-add rows to their tokens
+        token_of_row = torch.empty_like(perm, dtype=torch.long)
+        token_of_row[perm.long()] = torch.arange(perm.numel(), device=perm.device) // k
+        return (torch.zeros(m, n, dtype=grad.dtype, device=grad.device).index_add_(0, token_of_row, grad),)
+    return Case((grad, perm, k), (grad, perm, k), (k,), index_add)
+
+
+OPS = ("rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_backward",
+       "hardswish", "hardswish_backward", "embedding_dense_backward", "moe_token_permute", "moe_token_permute_grad")
+
+
+def _f64(a):
+    return a.to(F64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    if got.shape != ref.shape:  # the reference works on flat views: rstd (M,) against the op's keepdim (M, 1)
+        if got.numel() != ref.numel():
+            return math.inf
+        ref = ref.reshape(got.shape)
+    if mask is not None:
+        got, ref = got[mask], ref[mask]
+    if not ref.is_floating_point():
+        return 0.0 if torch.equal(got.long().cpu(), ref.long().cpu()) else math.inf
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    err = float((got.to(F64) - ref).abs().max()) if ref.numel() else 0.0
+    return err / scale if scale else (0.0 if err == 0 else math.inf)
+
+
+@contextmanager
+def _backend(name: str):
+    old = os.environ.get(backend.ENV)
+    os.environ[backend.ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(backend.ENV, None)
+        else:
+            os.environ[backend.ENV] = old
+
+
+@dataclass
+class Row:
+    op: str
+    dtype: str
+    device: str
+    backend: str
+    error: float
+    torch_error: float | None
+    bound: float
+    ok: bool
+
+
+def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: int, n: int, seed: int) -> Row:
+    import gradops
+
+    case = _cases(op, dtype, device, m, n, torch.Generator().manual_seed(seed))
+    with _backend(name):
+        used, _ = backend.select(op, device)
+        out = getattr(gradops, op)(*case.args)
+    out = out if isinstance(out, tuple) else (out,)
+    ref = getattr(reference, op)(*map(_f64, case.ref_args), **({} if op == "moe_token_permute" else {"compute": F64}))
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    error = max(_rel_error(o, r) for o, r in zip(out, ref))
+    bound = max(torch.finfo(o.dtype).eps + 8 * math.sqrt(max(k, 1)) * U32 if o.is_floating_point() else 0.0
+                for o, k in zip(out, case.lengths))
+    torch_error = None
+    if case.peer is not None:
+        try:
+            peer = case.peer(*case.args)
+            torch_error = max(_rel_error(o, r, case.peer_mask) for o, r in zip(peer, ref))
+        except (RuntimeError, TypeError, NotImplementedError):
+            torch_error = None  # PyTorch lacks this dtype combination on this device
+    ok = error <= bound or (torch_error is not None and error <= torch_error)
+    label = name if used == name else f"{name}->{used}"
+    return Row(op, str(dtype).removeprefix("torch."), str(device), label, error, torch_error, bound, ok)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
+    parser.add_argument("--dtype", action="append", choices=list(DTYPES), help="only this dtype (repeatable)")
+    parser.add_argument("--backend", action="append", choices=list(backend.MODULES), help="only this backend")
+    parser.add_argument("--device", action="append", help="only this device (cpu, cuda)")
+    parser.add_argument("--rows", type=int, default=96, help="rows (M) of the random inputs (default 96)")
+    parser.add_argument("--cols", type=int, default=1000, help="columns (N) of the random inputs (default 1000)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
+    ops = args.op or OPS
+    dtypes = [DTYPES[d] for d in (args.dtype or DTYPES)]
+    devs = [d for d in devices() if not args.device or d.type in args.device]
+    plan = []
+    for device in devs:
+        for name in backend.MODULES:
+            if (args.backend and name not in args.backend) or not backend.usable(name, device)[0]:
+                continue
+            plan += [(op, dt, device, name) for op in ops for dt in dtypes]
+    print(f"gradops check: {len(plan)} runs, inputs {args.rows}x{args.cols}, seed {seed}", file=sys.stderr)
+    rows, start = [], time.perf_counter()
+    for i, (op, dt, device, name) in enumerate(plan, 1):
+        print(f"\r  [{i:>3}/{len(plan)}] {op:<26} {str(dt)[6:]:<9} {device} {name:<7}", end="", file=sys.stderr,
+              flush=True)
+        rows.append(check_one(op, dt, device, name, args.rows, args.cols, seed + i))
+    print(f"\r  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
+    header = f"{'op':<26} {'dtype':<9} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} {'bound':>9}  result"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        te = f"{r.torch_error:11.2e}" if r.torch_error is not None else f"{'-':>11}"
+        print(f"{r.op:<26} {r.dtype:<9} {r.device:<6} {r.backend:<12} {r.error:11.2e} {te} {r.bound:9.2e}  "
+              f"{'pass' if r.ok else 'FAIL'}")
+    failed = sum(not r.ok for r in rows)
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0

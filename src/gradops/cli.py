@@ -1,0 +1,38 @@
+"""``gradops`` command line: ``check``, ``bench``, ``demo``, ``env`` (also ``python -m gradops ...``).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
+only wires them, and imports a module when its subcommand runs (``demo`` and ``bench`` pull in more than
+``check`` needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "check": ("gradops.check", "run every op, dtype and backend against the float64 reference"),
+    "bench": ("gradops.bench", "time every op against PyTorch eager, torch.compile and Liger-Kernel"),
+    "demo": ("gradops.demo", "train a small MoE language model with gradops beside a plain-PyTorch twin"),
+    "env": ("gradops.env", "versions, devices, and which backend each op would use"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradops", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # import only the subcommand that runs
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""``gradops env``: what this machine offers and which backend each op would use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+
+import torch
+
+from . import backend
+
+OPS = ("rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_backward",
+       "hardswish", "hardswish_backward", "embedding_dense_backward", "moe_token_permute", "moe_token_permute_grad")
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def devices() -> list[torch.device]:
+    found = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        found.append(torch.device("cuda"))
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # no options
+
+
+def run(args: argparse.Namespace) -> int:
+    del args
+    import gradops
+
+    print(f"gradops {gradops.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+          f"triton {_version('triton')}  numba {_version('numba')}")
+    print(f"{backend.ENV}={os.environ.get(backend.ENV, 'auto')}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+          f"  threads={torch.get_num_threads()}")
+    for device in devices():
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        print(f"\n{device} ({name})")
+        for op in OPS:
+            try:
+                chosen, _ = backend.select(op, device)
+            except RuntimeError as err:
+                chosen = f"unavailable: {err}"
+            print(f"  {op:<26} {chosen}")
+    return 0

@@ -1,0 +1,39 @@
+"""Shared fixtures. ``tests/interpreter`` runs only in its own process with TRITON_INTERPRET=1 set before
+import (the variable is read when ``@triton.jit`` runs), so the main tier leaves it out."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreter"]
+
+
+def _cpu_backend_available() -> bool:
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        return importlib.util.find_spec("gradops.cpu") is not None
+    except ImportError:
+        return False
+
+
+#: Backends the CPU tiers test: the reference always, the compiled CPU path where it is installed.
+CPU_BACKENDS = ["torch", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request, monkeypatch):
+    """Run the test once per CPU backend, selected through GRADOPS_BACKEND as a user would."""
+    if request.param == "cpu" and not _cpu_backend_available():
+        pytest.skip("compiled CPU backend not installed (numba)")
+    monkeypatch.setenv("GRADOPS_BACKEND", request.param)
+    return request.param

@@ -1,0 +1,183 @@
+"""Float64 oracles, written from CANN's documented formulas independently of gradops' code, and the comparison
+every correctness test uses.
+
+Tolerance (derived, per output): a backend computes in float32 and rounds once to the output dtype, and the
+oracle sees exactly the same (already rounded) inputs. So the error is at most one ulp of the output dtype at
+the value (rounding the float32 result) plus float32 accumulation error, which for a length-n reduction of
+random-signed terms grows like sqrt(n) unit roundoffs; we allow 8 sqrt(n) u32. Measured norm-wise, against
+the largest reference value of the tensor::
+
+    max|got - ref| <= (eps(out dtype) + 8 * sqrt(n) * u32) * max|ref|
+
+Non-finite reference values must be matched exactly; integer outputs must be equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+F64 = torch.float64
+U32 = torch.finfo(torch.float32).eps / 2
+
+
+def _rms_norm(x, gamma, epsilon=1e-6):
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    X = x.to(F64)
+    rstd = 1.0 / torch.sqrt((X * X).mean(dim=dims, keepdim=True) + epsilon)
+    return (X * rstd * gamma.to(F64), rstd), (gamma.numel(), gamma.numel())
+
+
+def _rms_norm_grad(dy, x, rstd, gamma):
+    d = gamma.numel()
+    r = x.numel() // d if d else math.prod(x.shape[: x.dim() - gamma.dim()])
+    X, DY = x.to(F64).reshape(r, d), dy.to(F64).reshape(r, d)
+    R, G = rstd.to(F64).reshape(r, 1), gamma.to(F64).reshape(1, d)
+    mean_term = (DY * G * X * R).sum(dim=1, keepdim=True) / d
+    dx = (DY * G - X * R * mean_term) * R
+    dgamma = (DY * X * R).sum(dim=0)
+    return (dx.reshape(x.shape), dgamma.reshape(gamma.shape)), (d, r)
+
+
+def _layer_norm(x, gamma, beta, epsilon=1e-5):
+    X = x.to(F64)
+    n = x.shape[-1]
+    mean = X.sum(-1) / n
+    var = ((X - mean[..., None]) ** 2).sum(-1) / n
+    y = (X - mean[..., None]) / torch.sqrt(var[..., None] + epsilon) * gamma.to(F64) + beta.to(F64)
+    return (y, mean, var), (n, n, n)
+
+
+def _ascendc_pdx(dy, x, mean, rstd, gamma):
+    """AscendC LayerNormGrad, term by term, in float64 (rstd = (variance + EPSILON)^-0.5, per row)."""
+    n = x.shape[-1]
+    X, DY = x.to(F64), dy.to(F64)
+    mu = mean.to(F64).reshape(*x.shape[:-1], 1)
+    rs = rstd.reshape(*x.shape[:-1], 1)
+    pd_xl = DY * gamma.to(F64)
+    pd_var = torch.sum(-0.5 * pd_xl * (X - mu) * rs ** 3, dim=-1, keepdim=True)
+    pd_mean = torch.sum(-pd_xl * rs, dim=-1, keepdim=True) + pd_var * (1.0 / n) * torch.sum(-2.0 * (X - mu), dim=-1, keepdim=True)
+    pd_x = pd_xl * rs + pd_var * (2.0 / n) * (X - mu) + pd_mean * (1.0 / n)
+    return pd_x, (X - mu) * rs
+
+
+def _layer_norm_grad(dy, x, variance, mean, gamma, epsilon=1e-5):
+    rstd = (variance.to(F64) + epsilon) ** -0.5
+    pd_x, res = _ascendc_pdx(dy, x, mean, rstd, gamma)
+    return (pd_x, res), (x.shape[-1], 1)
+
+
+def _layer_norm_grad_beta(res_for_gamma, dy):
+    n = dy.shape[-1]
+    DY, RES = dy.to(F64).reshape(-1, n), res_for_gamma.to(F64).reshape(-1, n)
+    return ((DY * RES).sum(0), DY.sum(0)), (DY.shape[0], DY.shape[0])
+
+
+def _layer_norm_backward(dy, x, mean, rstd, gamma):
+    pd_x, xhat = _ascendc_pdx(dy, x, mean, rstd.to(F64), gamma)
+    (dg, db), lengths = _layer_norm_grad_beta(xhat, dy)
+    return (pd_x, dg, db), (x.shape[-1], *lengths)
+
+
+def _hardswish(x):
+    X = x.to(F64)
+    return (X * torch.clamp(X + 3, 0, 6) / 6,), (1,)
+
+
+def _hardswish_backward(grad_output, x):
+    X, G = x.to(F64), grad_output.to(F64)
+    slope = torch.where(X < -3, 0.0, torch.where(X <= 3, X / 3 + 0.5, 1.0))
+    slope = torch.where(torch.isnan(X), 1.0, slope)  # gradops' documented NaN rule: grad passes through
+    return (G * slope,), (1,)
+
+
+def _embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+    flat = indices.reshape(-1)
+    idx = flat.to(F64).trunc().long() if flat.is_floating_point() else flat.long()
+    e = grad.shape[-1]
+    G = grad.to(F64).reshape(idx.numel(), e)
+    onehot = (idx[:, None] == torch.arange(num_weights, device=idx.device)[None, :]).to(F64)  # (N, V)
+    weight = torch.ones(idx.numel(), dtype=F64, device=idx.device)
+    if scale_grad_by_freq:
+        weight = 1.0 / onehot.sum(0)[idx]
+    weight = torch.where(idx == padding_idx, 0.0, weight)
+    out = onehot.t() @ (G * weight[:, None])
+    return (out,), (max(idx.numel(), 1),)
+
+
+def _stable_order(flat: list[int]) -> list[int]:
+    return sorted(range(len(flat)), key=lambda i: (flat[i], i))
+
+
+def _moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    k = indices.shape[1] if indices.dim() == 2 else 1
+    order = _stable_order(indices.reshape(-1).tolist())
+    inverse = [0] * len(order)
+    for dest, src in enumerate(order):
+        inverse[src] = dest
+    kept = range(len(order))[:num_out_tokens] if num_out_tokens else range(len(order))
+    rows = [order[j] // k for j in kept]
+    permuted = tokens.to(F64)[torch.tensor(rows, dtype=torch.long, device=tokens.device)]
+    return (permuted, torch.tensor(inverse, dtype=torch.int64, device=tokens.device)), (1, 0)
+
+
+def _moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=False):
+    rows, h = grad.shape
+    t = sorted_indices.numel() // num_topk
+    G = grad.to(F64)
+    out = torch.zeros(t, h, dtype=F64, device=grad.device)
+    src = sorted_indices.long().reshape(t, num_topk)
+    for k in range(num_topk):
+        col = src[:, k]
+        present = col < rows
+        out[present] += G[col[present]]
+    return (out,), (num_topk,)
+
+
+_ORACLES = {
+    "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
+    "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
+    "layer_norm_backward": _layer_norm_backward, "hardswish": _hardswish, "hardswish_backward": _hardswish_backward,
+    "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
+    "moe_token_permute_grad": _moe_token_permute_grad,
+}
+
+
+def oracle(op: str, *args, **kwargs) -> tuple[Tensor, ...]:
+    """The float64 outputs of ``op`` (index outputs as int64)."""
+    return _ORACLES[op](*args, **kwargs)[0]
+
+
+def tolerance(out_dtype: torch.dtype, n: int, scale: float) -> float:
+    """The derived bound of this module's docstring."""
+    return (torch.finfo(out_dtype).eps + 8 * math.sqrt(max(n, 1)) * U32) * scale
+
+
+def max_error(got: Tensor, ref: Tensor) -> float:
+    """Largest |got - ref| over finite reference values; inf if non-finite values differ."""
+    g = got.to(F64)
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isnan(g), torch.isnan(ref)) or not torch.equal(g[torch.isinf(ref)], ref[torch.isinf(ref)]):
+        return math.inf
+    return float((g[finite] - ref[finite]).abs().max()) if finite.any() else 0.0
+
+
+def assert_matches(op: str, got, sample) -> None:
+    """Compare the outputs of ``gradops.<op>(*sample.args, **sample.kwargs)`` with the oracle."""
+    expected, lengths = _ORACLES[op](*sample.args, **sample.kwargs)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(expected), f"{op}: {len(got)} outputs, expected {len(expected)}"
+    for i, (g, e, n) in enumerate(zip(got, expected, lengths)):
+        where = f"{op}[{sample.name}] output {i}"
+        assert tuple(g.shape) == tuple(e.shape), f"{where}: shape {tuple(g.shape)}, expected {tuple(e.shape)}"
+        if not e.is_floating_point():
+            assert torch.equal(g.long().cpu(), e.cpu()), f"{where}: indices differ"
+            continue
+        if e.numel() == 0:
+            continue
+        finite = e[torch.isfinite(e)]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        err, tol = max_error(g, e), tolerance(g.dtype, n, scale)
+        assert err <= tol, f"{where} ({g.dtype}): max error {err:.3e} > tolerance {tol:.3e} (scale {scale:.3e}, n={n})"

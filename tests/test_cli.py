@@ -1,0 +1,51 @@
+"""``gradops check`` / ``gradops env`` end to end, and the check's failure path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gradops import check, cli
+
+
+def test_check_passes_and_prints_table():
+    proc = subprocess.run([sys.executable, "-m", "gradops", "check", "--backend", "torch", "--rows", "8", "--cols", "64",
+                           "--seed", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for op in check.OPS:
+        assert op in proc.stdout
+    assert "33 passed, 0 failed" in proc.stdout
+    assert "torch err" in proc.stdout and "max rel err" in proc.stdout
+    assert "[ 33/33]" in proc.stderr  # progress
+
+
+def test_check_fails_on_a_wrong_result(monkeypatch, capsys):
+    import importlib
+
+    hardswish_ops = importlib.import_module("gradops.ops.hardswish")  # the module, not the function it exports
+
+    real_select = hardswish_ops.select
+
+    def broken(op, device):
+        name, fn = real_select(op, device)
+        if op == "hardswish_backward":
+            return name, lambda g, x: fn(g, x) * 1.01  # a 1% error: far beyond one bf16/fp16/fp32 ulp
+        return name, fn
+
+    monkeypatch.setattr(hardswish_ops, "select", broken)
+    code = cli.main(["check", "--op", "hardswish_backward", "--backend", "torch", "--rows", "4", "--cols", "32"])
+    out = capsys.readouterr().out
+    assert code == 1 and "FAIL" in out and "0 passed, 3 failed" in out
+
+
+def test_env_lists_every_op(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "rms_norm_grad" in out and "moe_token_permute_grad" in out and "GRADOPS_BACKEND" in out
+
+
+def test_unknown_command_is_refused():
+    with pytest.raises(SystemExit):
+        cli.main(["nope"])

@@ -1,0 +1,150 @@
+"""Every invalid input: OpError with CANN's status and a message naming the argument (CANN's check order:
+nulls 161001, dtypes 161002, shapes 161002 — RmsNormGrad's shape rules 561002, as its seed says)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradops
+from gradops.status import ACLNN_ERR_INNER_TILING_ERROR as TILING
+from gradops.status import ACLNN_ERR_PARAM_INVALID as INVALID
+from gradops.status import ACLNN_ERR_PARAM_NULLPTR as NULL
+
+f32, f16, bf16, f64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+
+
+def t(*shape, dtype=f32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+X, G, R = t(2, 4, 8), t(8), t(2, 4)
+LX, LG = t(3, 8), t(8)
+LSTAT = t(3)
+
+# (id, function, args, kwargs, status, the argument the message must name)
+CASES = [
+    # ---- rms_norm_grad
+    ("rmsg-null-dy", "rms_norm_grad", (None, X, R, G), {}, NULL, "dy"),
+    ("rmsg-null-gamma", "rms_norm_grad", (X, X, R, None), {}, NULL, "gamma"),
+    ("rmsg-null-before-dtype", "rms_norm_grad", (t(2, 4, 8, dtype=f64), X, None, G), {}, NULL, "rstd"),
+    ("rmsg-not-tensor", "rms_norm_grad", ([1.0], X, R, G), {}, INVALID, "dy"),
+    ("rmsg-dtype-f64", "rms_norm_grad", (t(2, 4, 8, dtype=f64), t(2, 4, 8, dtype=f64), R, t(8, dtype=f64)), {}, INVALID, "dy.dtype"),
+    ("rmsg-dtype-x-vs-dy", "rms_norm_grad", (X, t(2, 4, 8, dtype=f16), R, G), {}, INVALID, "x.dtype"),
+    ("rmsg-dtype-rstd", "rms_norm_grad", (X, X, t(2, 4, dtype=f16), G), {}, INVALID, "rstd.dtype"),
+    ("rmsg-dtype-gamma-f16-x-bf16", "rms_norm_grad", (t(2, 4, 8, dtype=bf16), t(2, 4, 8, dtype=bf16), R, t(8, dtype=f16)), {}, INVALID, "gamma.dtype"),
+    ("rmsg-dtype-gamma-bf16-x-f32", "rms_norm_grad", (X, X, R, t(8, dtype=bf16)), {}, INVALID, "gamma.dtype"),
+    ("rmsg-dtype-before-shape", "rms_norm_grad", (X, X, t(5, dtype=f16), t(3)), {}, INVALID, "rstd.dtype"),
+    ("rmsg-rank-9", "rms_norm_grad", (t(*[1] * 9), t(*[1] * 9), t(1), t(1)), {}, TILING, "x.dim()"),
+    ("rmsg-gamma-rank", "rms_norm_grad", (t(4, 8), t(4, 8), t(4), t(1, 4, 8)), {}, TILING, "gamma.dim()"),
+    ("rmsg-dy-shape", "rms_norm_grad", (t(2, 4, 9), X, R, G), {}, TILING, "dy.shape"),
+    ("rmsg-gamma-shape", "rms_norm_grad", (X, X, R, t(7)), {}, TILING, "gamma.shape"),
+    ("rmsg-rstd-shape", "rms_norm_grad", (X, X, t(4, 2), G), {}, TILING, "rstd.shape"),
+    ("rmsg-rstd-prefix-skips-non-1", "rms_norm_grad", (X, X, t(2), G), {}, TILING, "rstd.shape"),
+    ("rmsg-rstd-keepdim-numel", "rms_norm_grad", (X, X, t(2, 4, 2), G), {}, TILING, "rstd.shape"),
+    ("rmsg-device", "rms_norm_grad", (X, X, R, t(8, device="meta")), {}, INVALID, "gamma.device"),
+    # ---- rms_norm
+    ("rms-null", "rms_norm", (None, G), {}, NULL, "x"),
+    ("rms-dtype", "rms_norm", (t(2, 8, dtype=torch.int32), G), {}, INVALID, "x.dtype"),
+    ("rms-gamma-shape", "rms_norm", (X, t(4)), {}, INVALID, "gamma.shape"),
+    ("rms-eps-type", "rms_norm", (X, G, "1e-6"), {}, INVALID, "epsilon"),
+    # ---- layer_norm family
+    ("ln-null", "layer_norm", (LX, None, LG), {}, NULL, "gamma"),
+    ("ln-dtype", "layer_norm", (t(3, 8, dtype=f64), LG, LG), {}, INVALID, "x.dtype"),
+    ("ln-gamma-dtype", "layer_norm", (LX, t(8, dtype=f16), LG), {}, INVALID, "gamma.dtype"),
+    ("ln-beta-shape", "layer_norm", (LX, LG, t(9)), {}, INVALID, "beta.shape"),
+    ("lng-null", "layer_norm_grad", (LX, LX, None, LSTAT, LG), {}, NULL, "variance"),
+    ("lng-dy-dtype", "layer_norm_grad", (t(3, 8, dtype=f16), LX, LSTAT, LSTAT, LG), {}, INVALID, "dy.dtype"),
+    ("lng-stat-dtype", "layer_norm_grad", (LX, LX, t(3, dtype=f64), LSTAT, LG), {}, INVALID, "variance.dtype"),
+    ("lng-dy-shape", "layer_norm_grad", (t(3, 9), LX, LSTAT, LSTAT, LG), {}, INVALID, "dy.shape"),
+    ("lng-mean-shape", "layer_norm_grad", (LX, LX, LSTAT, t(4), LG), {}, INVALID, "mean.shape"),
+    ("lng-rank-9", "layer_norm_grad", (t(*[1] * 9), t(*[1] * 9), t(*[1] * 8), t(*[1] * 8), t(1)), {}, INVALID, "x.dim()"),
+    ("lngb-null", "layer_norm_grad_beta", (None, LX), {}, NULL, "res_for_gamma"),
+    ("lngb-dtype", "layer_norm_grad_beta", (LX, t(3, 8, dtype=f16)), {}, INVALID, "res_for_gamma.dtype"),
+    ("lngb-shape", "layer_norm_grad_beta", (t(3, 7), LX), {}, INVALID, "res_for_gamma.shape"),
+    ("lnb-rstd-shape", "layer_norm_backward", (LX, LX, LSTAT, t(2), LG), {}, INVALID, "rstd.shape"),
+    # ---- hardswish
+    ("hs-null", "hardswish", (None,), {}, NULL, "self"),
+    ("hs-dtype", "hardswish", (t(3, dtype=f64),), {}, INVALID, "self.dtype"),
+    ("hs-rank-9", "hardswish", (t(*[1] * 9),), {}, INVALID, "self.dim()"),
+    ("hsb-null", "hardswish_backward", (None, t(3)), {}, NULL, "gradOutput"),
+    ("hsb-dtype-int", "hardswish_backward", (t(3, dtype=torch.int32), t(3, dtype=torch.int32)), {}, INVALID, "self.dtype"),
+    ("hsb-dtype-mismatch", "hardswish_backward", (t(3, dtype=f16), t(3)), {}, INVALID, "gradOutput.dtype"),
+    ("hsb-shape-no-broadcast", "hardswish_backward", (t(1, 3), t(2, 3)), {}, INVALID, "gradOutput.shape"),
+    ("hsb-rank-9", "hardswish_backward", (t(*[1] * 9), t(*[1] * 9)), {}, INVALID, "gradOutput.dim()"),
+    # ---- embedding_dense_backward
+    ("emb-null-grad", "embedding_dense_backward", (None, i32(1), 4), {}, NULL, "grad"),
+    ("emb-null-indices", "embedding_dense_backward", (t(1, 3), None, 4), {}, NULL, "indices"),
+    ("emb-grad-dtype", "embedding_dense_backward", (t(2, 3, dtype=f64), i32(0, 1), 4), {}, INVALID, "grad.dtype"),
+    ("emb-index-dtype", "embedding_dense_backward", (t(2, 3), torch.zeros(2, dtype=torch.complex64), 4), {}, INVALID, "indices.dtype"),
+    ("emb-grad-1d", "embedding_dense_backward", (t(3), i32(0), 4), {}, INVALID, "grad.dim()"),
+    ("emb-grad-rank-9", "embedding_dense_backward", (t(*[1] * 8, 3), i32(0), 4), {}, INVALID, "grad.dim()"),
+    ("emb-indices-rank-9", "embedding_dense_backward", (t(1, 3), torch.zeros([1] * 9, dtype=torch.int64), 4), {}, INVALID, "indices.dim()"),
+    ("emb-numel-mismatch", "embedding_dense_backward", (t(3, 2), i32(0, 1), 4), {}, INVALID, "grad.shape"),
+    ("emb-index-too-big", "embedding_dense_backward", (t(2, 3), i32(1, 4), 4), {}, INVALID, "indices"),
+    ("emb-index-negative", "embedding_dense_backward", (t(2, 3), i32(-1, 0), 4), {}, INVALID, "indices"),
+    ("emb-index-float-beyond", "embedding_dense_backward", (t(2, 3), torch.tensor([0.5, 4.0]), 4), {}, INVALID, "indices"),
+    ("emb-index-float-below", "embedding_dense_backward", (t(2, 3), torch.tensor([0.5, -1.0]), 4), {}, INVALID, "indices"),
+    ("emb-index-nan", "embedding_dense_backward", (t(2, 3), torch.tensor([0.0, float("nan")]), 4), {}, INVALID, "indices"),
+    ("emb-index-inf", "embedding_dense_backward", (t(2, 3), torch.tensor([float("inf"), 0.0]), 4), {}, INVALID, "indices"),
+    ("emb-bool-empty-table", "embedding_dense_backward", (t(1, 3), torch.tensor([True]), 1), {}, INVALID, "indices"),
+    ("emb-num-weights-negative", "embedding_dense_backward", (t(1, 3), i32(0), -1), {}, INVALID, "num_weights"),
+    ("emb-num-weights-float", "embedding_dense_backward", (t(1, 3), i32(0), 4.0), {}, INVALID, "num_weights"),
+    ("emb-padding-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, None), {}, INVALID, "padding_idx"),
+    ("emb-scale-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, -1, 1), {}, INVALID, "scale_grad_by_freq"),
+    # ---- moe_token_permute
+    ("moe-null", "moe_token_permute", (t(4, 3), None), {}, NULL, "indices"),
+    ("moe-token-dtype", "moe_token_permute", (t(4, 3, dtype=torch.int32), i32(0, 1, 2, 3)), {}, INVALID, "tokens.dtype"),
+    ("moe-index-dtype", "moe_token_permute", (t(4, 3), t(4)), {}, INVALID, "indices.dtype"),
+    ("moe-token-rank", "moe_token_permute", (t(4, 3, 1), i32(0, 1, 2, 3)), {}, INVALID, "tokens.dim()"),
+    ("moe-index-rank", "moe_token_permute", (t(4, 3), torch.zeros(4, 1, 1, dtype=torch.int32)), {}, INVALID, "indices.dim()"),
+    ("moe-index-rows", "moe_token_permute", (t(4, 3), i32(0, 1, 2)), {}, INVALID, "indices.shape"),
+    ("moe-topk-513", "moe_token_permute", (t(1, 3), torch.zeros(1, 513, dtype=torch.int32)), {}, INVALID, "indices.shape[1]"),
+    ("moe-topk-0", "moe_token_permute", (t(1, 3), torch.zeros(1, 0, dtype=torch.int32)), {}, INVALID, "indices.shape[1]"),
+    ("moe-padded", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"padded_mode": True}, INVALID, "padded_mode"),
+    ("moe-num-out-type", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"num_out_tokens": 2.0}, INVALID, "num_out_tokens"),
+    # ---- moe_token_permute_grad
+    ("moeg-null", "moe_token_permute_grad", (None, i32(0, 1), 2), {}, NULL, "permuted_output_grad"),
+    ("moeg-grad-dtype", "moe_token_permute_grad", (t(2, 3, dtype=f64), i32(0, 1), 2), {}, INVALID, "permuted_output_grad.dtype"),
+    ("moeg-index-dtype", "moe_token_permute_grad", (t(2, 3), t(2), 2), {}, INVALID, "sorted_indices.dtype"),
+    ("moeg-topk-0", "moe_token_permute_grad", (t(2, 3), i32(0, 1), 0), {}, INVALID, "num_topk"),
+    ("moeg-topk-513", "moe_token_permute_grad", (t(2, 3), i32(0, 1), 513), {}, INVALID, "num_topk"),
+    ("moeg-topk-type", "moe_token_permute_grad", (t(2, 3), i32(0, 1), 2.0), {}, INVALID, "num_topk"),
+    ("moeg-padded", "moe_token_permute_grad", (t(2, 3), i32(0, 1), 2, True), {}, INVALID, "padded_mode"),
+    ("moeg-grad-rank", "moe_token_permute_grad", (t(2, 3, 1), i32(0, 1), 2), {}, INVALID, "permuted_output_grad.dim()"),
+    ("moeg-index-rank", "moe_token_permute_grad", (t(2, 3), torch.zeros(1, 2, dtype=torch.int32), 2), {}, INVALID, "sorted_indices.dim()"),
+    ("moeg-not-multiple-of-k", "moe_token_permute_grad", (t(3, 3), i32(0, 1, 2), 2), {}, INVALID, "sorted_indices.shape"),
+    ("moeg-too-many-rows", "moe_token_permute_grad", (t(5, 3), i32(0, 1, 2, 3), 2), {}, INVALID, "permuted_output_grad.shape"),
+    ("moeg-index-too-big", "moe_token_permute_grad", (t(4, 3), i32(0, 1, 2, 4), 2), {}, INVALID, "sorted_indices"),
+    ("moeg-index-negative", "moe_token_permute_grad", (t(4, 3), i32(0, -1, 2, 3), 2), {}, INVALID, "sorted_indices"),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,status,arg", [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_refused_with_cann_status(op, args, kwargs, status, arg, backend):
+    with pytest.raises(gradops.OpError) as info:
+        getattr(gradops, op)(*args, **kwargs)
+    err = info.value
+    assert err.status == status, str(err)
+    assert err.arg == arg, str(err)
+    assert arg in str(err) and "must be" in str(err) and "got" in str(err)
+    assert isinstance(err, ValueError)
+
+
+def test_error_survives_pickling():
+    import pickle
+
+    err = gradops.OpError(INVALID, "op", "x", "a tensor", "None")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.status, back.arg, str(back)) == (err.status, err.arg, str(err))
+
+
+def test_every_op_has_error_cases():
+    covered = {c[1] for c in CASES}
+    assert covered == {"rms_norm_grad", "rms_norm", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta",
+                       "layer_norm_backward", "hardswish", "hardswish_backward", "embedding_dense_backward",
+                       "moe_token_permute", "moe_token_permute_grad"}
