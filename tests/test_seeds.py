@@ -50,9 +50,12 @@ def test_moe_convention_is_cann_inverse_permutation(backend):
     assert out.flatten().tolist() == [101.0, 1010.0]  # CANN: [g2+g0, g3+g1]; Megatron's reading: [g1+g3, g0+g2]
 
 
-def test_layer_norm_grad_beta_seed_shape(backend):
-    # The seed's kernel example runs B=2, S=32, H=16 in float: pd_gamma = sum(dy*res), pd_beta = sum(dy).
-    dy = torch.ones(2, 32, 16)
-    res = torch.full((2, 32, 16), 0.5)
+def test_layer_norm_grad_beta_seed_kernel_half(backend):
+    # The seed's kernel example instantiates KernelLayernormGradBeta<half, false> (it ships no data): half in,
+    # half out, accumulated in float32. 4096 ones: a float16 accumulator stalls at 2048 (2048 + 1 rounds back
+    # to 2048), float32 accumulation reaches 4096 exactly.
+    dy = torch.ones(2, 2048, 16, dtype=torch.float16)
+    res = torch.full((2, 2048, 16), 0.5, dtype=torch.float16)
     pd_gamma, pd_beta = gradops.layer_norm_grad_beta(res, dy)
-    assert pd_gamma.tolist() == [32.0] * 16 and pd_beta.tolist() == [64.0] * 16
+    assert pd_gamma.dtype == pd_beta.dtype == torch.float16
+    assert pd_gamma.tolist() == [2048.0] * 16 and pd_beta.tolist() == [4096.0] * 16
