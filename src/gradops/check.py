@@ -204,11 +204,15 @@ def run(args: argparse.Namespace) -> int:
             plan += [(op, dt, device, name) for op in ops for dt in dtypes]
     print(f"gradops check: {len(plan)} runs, inputs {args.rows}x{args.cols}, seed {seed}", file=sys.stderr)
     rows, start = [], time.perf_counter()
+    live = sys.stderr.isatty()  # a terminal gets one updating line; a log gets a line every tenth of the way
     for i, (op, dt, device, name) in enumerate(plan, 1):
-        print(f"\r  [{i:>3}/{len(plan)}] {op:<26} {str(dt)[6:]:<9} {device} {name:<7}", end="", file=sys.stderr,
-              flush=True)
+        status = f"  [{i:>3}/{len(plan)}] {op:<26} {str(dt)[6:]:<9} {device} {name:<7}"
+        if live:
+            print("\r" + status, end="", file=sys.stderr, flush=True)
+        elif i == 1 or i == len(plan) or i % max(1, len(plan) // 10) == 0:
+            print(status, file=sys.stderr, flush=True)
         rows.append(check_one(op, dt, device, name, args.rows, args.cols, seed + i))
-    print(f"\r  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
+    print(("\r" if live else "") + f"  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
     header = f"{'op':<26} {'dtype':<9} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} {'bound':>9}  result"
     print(header)
     print("-" * len(header))
