@@ -13,7 +13,9 @@ from torch import Tensor
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x * rstd * gamma``; y in x's dtype, rstd float32 of shape (rows,)."""
     xf = x.to(compute)
-    rstd = torch.rsqrt(xf.square().mean(dim=-1) + epsilon) if x.shape[-1] else xf.new_full(x.shape[:-1], epsilon ** -0.5)
+    # An empty row has mean(x^2) = 0 (torch's mean of nothing is NaN): rstd = 1/sqrt(eps), inf when eps = 0.
+    mean_sq = xf.square().mean(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
+    rstd = torch.rsqrt(mean_sq + epsilon)
     y = xf * rstd[:, None] * gamma.to(compute)
     return y.to(x.dtype), rstd.to(torch.promote_types(torch.float32, compute))
 
