@@ -1,0 +1,62 @@
+"""aclnnMoeTokenPermute (gather) and aclnnMoeTokenPermuteGrad (gather-sum) Triton kernels, CANN's convention:
+``sorted_indices[t*K + k]`` is the permuted row holding token t's k-th copy."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def moe_blocks(hidden: int, block_h: int | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)``: up to 2048 columns per program (4 KB of bf16 per gathered row), and
+    several tokens per program for narrow rows so a step keeps >= 2048 elements (BLOCK_T independent row
+    gathers) in flight; gathers are latency bound (TileOPs measured, performance.md §2.5). Pending H100 tuning."""
+    block_h = block_h or min(2048, triton.next_power_of_2(max(hidden, 1)))
+    block_t = max(1, min(16, 2048 // block_h))
+    return block_t, block_h, 4 if block_t * block_h <= 1024 else 8
+
+
+@triton.jit
+def moe_token_permute_grad_kernel(G, IDX, OUT, T, K, A, H, stride_g0, stride_g1,
+                                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t, :] = sum_{k = 0..K-1} G[IDX[t*K + k], :]`` in fp32, k in order, one store per token row: no
+    zero-fill, no atomics, deterministic (bitwise equal to a sequential fp32 sum). Rows ``IDX >= A`` (dropped by
+    the forward) add nothing and are never read. K is a runtime loop bound (1..512, no recompiles).
+    Grid ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``. Bytes: ``T*K*H*s + T*H*s + T*K*s_idx`` (gather form floor).
+    """
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tmask = tok < T
+    cmask = cols < H
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for k in range(K):
+        r = tl.load(IDX + tok * K + k, mask=tmask, other=0).to(tl.int64)
+        present = tmask & (r < A)
+        acc += tl.load(G + r[:, None] * stride_g0 + cols[None, :] * stride_g1,
+                       mask=present[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    tl.store(OUT + tok[:, None] * H + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def moe_token_permute_kernel(TOK, FIRST, PERM, INV, TK, R, K, H, stride_t0, stride_t1,
+                             BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Gather after the host's stable argsort ``FIRST`` of the flattened expert ids::
+
+        PERM[j, :] = TOK[FIRST[j] // K, :]     for j < R (rows kept)
+        INV[FIRST[j]] = j                      for all j < T*K (int32: CANN's sorted_indices, the inverse)
+
+    FIRST is a permutation, so each INV slot is written once (by the column-block-0 program): no atomics.
+    Values are copied bit for bit (no arithmetic). Grid ``(cdiv(T*K, BLOCK_J), cdiv(H, BLOCK_H))``.
+    Bytes: ``R*H*s*2 + T*K*(8 + 4)``.
+    """
+    j = tl.program_id(0).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
+    cb = tl.program_id(1)
+    cols = cb.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    jm = j < TK
+    src = tl.load(FIRST + j, mask=jm, other=0).to(tl.int64)
+    tl.store(INV + src, j.to(tl.int32), mask=jm & (cb == 0))
+    keep = (jm & (j < R))[:, None] & (cols < H)[None, :]
+    rows = src // K
+    x = tl.load(TOK + rows[:, None] * stride_t0 + cols[None, :] * stride_t1, mask=keep)
+    tl.store(PERM + j[:, None] * H + cols[None, :], x, mask=keep)

@@ -1,0 +1,35 @@
+"""Triton host launchers: the ``triton`` backend of :mod:`gradops.backend`.
+
+Each function carries an op name and the backend signature (2-D views prepared by :mod:`gradops.ops`); each
+allocates its outputs, picks tiles from :mod:`gradops.kernels` and launches. Ops with scratch memory expose
+``<op>_workspace(<same args>) -> bytes`` and accept ``workspace=`` (a uint8 device tensor). CUDA tensors run
+compiled kernels; CPU tensors only under ``TRITON_INTERPRET=1`` (tests). Importing this module needs triton.
+"""
+
+from ..backend import interpreting
+
+if interpreting():  # before any kernel runs: make the interpreter work with NumPy >= 2.4
+    from ._interpret import apply as _apply_interpreter_fix
+
+    _apply_interpreter_fix()
+
+from ._common import LAUNCHES
+from .embedding import embedding_dense_backward, embedding_dense_backward_workspace
+from .hardswish import hardswish, hardswish_backward
+from .layer_norm import (
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_backward_workspace,
+    layer_norm_grad,
+    layer_norm_grad_beta,
+    layer_norm_grad_beta_workspace,
+)
+from .moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_permute_workspace
+from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+
+__all__ = [
+    "LAUNCHES", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",
+    "layer_norm", "layer_norm_backward", "layer_norm_backward_workspace", "layer_norm_grad", "layer_norm_grad_beta",
+    "layer_norm_grad_beta_workspace", "moe_token_permute", "moe_token_permute_grad", "moe_token_permute_workspace",
+    "rms_norm", "rms_norm_grad", "rms_norm_grad_workspace",
+]

@@ -1,0 +1,232 @@
+"""Code paths the shared samples cannot reach at interpreter-friendly sizes, forced through the launchers' tile
+overrides: looped columns (rows wider than a register tile), several persistent programs and the partial
+reduction, split column sums, strided elementwise layouts, multi-step segment sums and gathers. Each case checks
+the float64 oracle and the kernel that must have run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 set before import", allow_module_level=True)
+pytest.importorskip("triton")
+
+import torch
+
+import gradops
+from gradops import launch
+from gradops.kernels.common import row_config
+from gradops.kernels.embedding import embedding_config
+from oracles import assert_matches
+from samples import Sample
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+IDS = ["fp32", "fp16", "bf16"]
+#: Rows wider than 16 columns take the looped kernels: N = 45 is 3 column blocks with a 13-column tail.
+LOOPED = row_config(45, max_block_n=16)
+
+
+def _rand(*shape, dtype=torch.float32, offset=0.0):
+    return (torch.randn(shape) + offset).to(dtype)
+
+
+def _check(op, fn, args, launches, kernel, **kwargs):
+    got = fn(*args, **kwargs)
+    assert_matches(op, got, Sample(f"{op}-path", "code path", args))
+    assert launches()[kernel] > 0, f"{kernel} did not run: {dict(launches())}"
+    return got
+
+
+# ------------------------------------------------------------------ RmsNorm
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_rms_norm_looped(dtype, launches):
+    def keepdim_rstd(*args, **kwargs):  # the oracle gives the public op's keepdim rstd
+        y, rstd = launch.rms_norm(*args, **kwargs)
+        return y, rstd[:, None]
+
+    x, g = _rand(7, 45, dtype=dtype), _rand(45, dtype=dtype)
+    _check("rms_norm", keepdim_rstd, (x, g, 1e-6), launches, "rms_norm_fwd_kernel", config=LOOPED)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_rms_norm_grad_looped(dtype, launches):
+    """7 rows over 3 programs: each program reads-modifies-writes its own partial row, then the reduction."""
+    dy, x = _rand(7, 45, dtype=dtype), _rand(7, 45, dtype=dtype)
+    rstd = torch.rand(7) + 0.5
+    _check("rms_norm_grad", launch.rms_norm_grad, (dy, x, rstd, _rand(45, dtype=dtype)), launches,
+           "rms_norm_grad_looped_kernel", config=LOOPED)
+    assert launches()["sum_partials_kernel"] == 1
+
+
+@pytest.mark.parametrize("gamma_dtype", [torch.float16, torch.float32], ids=["gamma-fp16", "gamma-fp32"])
+def test_rms_norm_grad_persistent_tiles(gamma_dtype, launches):
+    """Narrow rows: 16-row tiles, more tiles than programs (each program loops), a masked tail tile."""
+    dy, x = _rand(150, 24, dtype=torch.float16), _rand(150, 24, dtype=torch.float16)
+    rstd = torch.rand(150) + 0.5
+    _check("rms_norm_grad", launch.rms_norm_grad, (dy, x, rstd, _rand(24, dtype=gamma_dtype)), launches,
+           "rms_norm_grad_kernel", config=row_config(24)._replace(block_m=16))
+    assert launches()["sum_partials_kernel"] == 1
+
+
+def test_rms_norm_grad_multi_dim_gamma_strided_rows(launches):
+    """gamma of 2 dims through the public op, x a row-sliced view (row stride 2*N, no copy needed)."""
+    base = _rand(4, 3, 2, 10)
+    x, dy = base[:, :, :, :5], _rand(4, 3, 2, 5)
+    gamma, rstd = _rand(2, 5), torch.rand(4, 3) + 0.5
+    got = gradops.rms_norm_grad(dy, x, rstd, gamma)
+    assert_matches("rms_norm_grad", got, Sample("multi-dim", "gamma (2, 5)", (dy, x, rstd, gamma)))
+    assert launches()["rms_norm_grad_kernel"] == 1
+
+
+def test_rms_norm_grad_workspace(launches):
+    """Scratch carved from a caller's workspace gives the same bits; a short workspace is refused."""
+    dy, x, g = _rand(40, 30), _rand(40, 30), _rand(30)
+    rstd = torch.rand(40) + 0.5
+    size = launch.rms_norm_grad_workspace(dy, x, rstd, g, config=row_config(30)._replace(block_m=4))
+    assert size >= 3 * 30 * 4
+    ws = torch.empty(size, dtype=torch.uint8)
+    a = launch.rms_norm_grad(dy, x, rstd, g, workspace=ws, config=row_config(30)._replace(block_m=4))
+    b = launch.rms_norm_grad(dy, x, rstd, g, config=row_config(30)._replace(block_m=4))
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    with pytest.raises(ValueError, match="workspace"):
+        launch.rms_norm_grad(dy, x, rstd, g, workspace=ws[: size // 2], config=row_config(30)._replace(block_m=4))
+
+
+# ------------------------------------------------------------------ LayerNorm
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_layer_norm_looped(dtype, launches):
+    """Chan's merge over column blocks, with a large mean (cancellation-prone)."""
+    x = _rand(5, 45, dtype=dtype, offset=50.0)
+    _check("layer_norm", launch.layer_norm, (x, _rand(45, dtype=dtype), _rand(45, dtype=dtype), 1e-5), launches,
+           "layer_norm_fwd_kernel", config=LOOPED)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_layer_norm_grad_looped(dtype, launches):
+    x, dy = _rand(5, 45, dtype=dtype, offset=1.0), _rand(5, 45, dtype=dtype)
+    mean, var = x.float().mean(-1) + 0.1, x.float().var(-1) + 0.2  # statistics used as given (CANN: literally)
+    _check("layer_norm_grad", launch.layer_norm_grad, (dy, x, var, mean, _rand(45, dtype=dtype), 1e-5), launches,
+           "layer_norm_bwd_looped_kernel", config=LOOPED)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_layer_norm_backward_looped(dtype, launches):
+    x, dy = _rand(5, 45, dtype=dtype), _rand(5, 45, dtype=dtype)
+    mean, rstd = x.float().mean(-1), torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
+    _check("layer_norm_backward", launch.layer_norm_backward, (dy, x, mean, rstd, _rand(45, dtype=dtype)),
+           launches, "layer_norm_bwd_looped_kernel", config=LOOPED)
+    assert launches()["sum_partials_kernel"] == 1
+
+
+def test_layer_norm_backward_tiles_and_workspace(launches):
+    x, dy = _rand(70, 20, dtype=torch.bfloat16), _rand(70, 20, dtype=torch.bfloat16)
+    mean, rstd = x.float().mean(-1), torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
+    cfg = row_config(20)._replace(block_m=8)
+    args = (dy, x, mean, rstd, _rand(20))
+    ws = torch.empty(launch.layer_norm_backward_workspace(*args, config=cfg), dtype=torch.uint8)
+    got = _check("layer_norm_backward", launch.layer_norm_backward, args, launches, "layer_norm_bwd_kernel",
+                 config=cfg, workspace=ws)
+    plain = launch.layer_norm_backward(*args, config=cfg)
+    assert all(torch.equal(p, q) for p, q in zip(got, plain))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_layer_norm_grad_beta_splits(dtype, launches):
+    """70 rows in 8-row steps over several splits and 16-column strips with a tail: split partials + reduction."""
+    res, dy = _rand(70, 37, dtype=dtype), _rand(70, 37, dtype=dtype)
+    size = launch.layer_norm_grad_beta_workspace(res, dy, block=(16, 8))
+    assert size > 0
+    _check("layer_norm_grad_beta", launch.layer_norm_grad_beta, (res, dy), launches, "layer_norm_grad_beta_kernel",
+           block=(16, 8), workspace=torch.empty(size, dtype=torch.uint8))
+    assert launches()["sum_partials_kernel"] == 1
+
+
+# ------------------------------------------------------------------ Hardswish
+def _layouts():
+    base = _rand(6, 10, offset=0.0) * 4
+    yield "transposed-dense", base.t(), _rand(6, 10).t(), "hardswish_flat_kernel"
+    yield "row-sliced", base[:, :7], _rand(6, 7), "hardswish_strided_kernel"
+    yield "1d-step", (torch.randn(40) * 4)[::2], torch.randn(20), "hardswish_strided_kernel"
+    yield "expanded-grad", base, torch.randn(10).expand(6, 10), "hardswish_strided_kernel"
+    yield "4d-strided", (torch.randn(3, 4, 5, 6) * 4)[:, ::2, :, 1:], torch.randn(3, 2, 5, 5), \
+        "hardswish_strided_kernel"
+    every_other = (slice(None, None, 2),) * 6  # 6 dims, none mergeable: one copy per input, then the flat kernel
+    yield "6d-fallback", (torch.randn((3,) * 6) * 4)[every_other], torch.randn((2,) * 6), "hardswish_flat_kernel"
+
+
+@pytest.mark.parametrize("name,x,g,kernel", list(_layouts()), ids=[c[0] for c in _layouts()])
+def test_hardswish_layouts(name, x, g, kernel, launches):
+    assert not (x.is_contiguous() and g.is_contiguous())
+    _check("hardswish_backward", launch.hardswish_backward, (g, x), launches, kernel)
+    _check("hardswish", launch.hardswish, (x,), launches, kernel)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_hardswish_boundaries(dtype, launches):
+    """Closed interval: d(-3) = -0.5, d(3) = 1.5; NaN x passes the gradient through; 5000 elements = 2 blocks."""
+    x = torch.cat([torch.tensor([-3.0, 3.0, -3.5, 3.5, float("nan"), 0.0]), torch.randn(4994) * 4]).to(dtype)
+    g = torch.ones_like(x)
+    out = _check("hardswish_backward", launch.hardswish_backward, (g, x), launches, "hardswish_flat_kernel")
+    assert out[:5].float().tolist() == [-0.5, 1.5, 0.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------ Embedding
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_embedding_segments(dtype, launches):
+    """Segments longer than BLOCK_T (3 steps of 4), V not a multiple of rows_per_program, E split in 8-column
+    blocks with a tail, padding and scale."""
+    idx = torch.cat([torch.full((11,), 2), torch.randint(0, 13, (20,))])
+    grad = _rand(31, 19, dtype=dtype)
+    cfg = embedding_config(19, rows_per_program=3, block_t=4, block_e=8)
+    args = (grad, idx, 13, 5, True)
+    size = launch.embedding_dense_backward_workspace(*args)
+    _check("embedding_dense_backward", launch.embedding_dense_backward, args, launches,
+           "embedding_dense_backward_kernel", config=cfg, workspace=torch.empty(size, dtype=torch.uint8))
+    again = launch.embedding_dense_backward(*args, config=cfg)
+    assert torch.equal(again, launch.embedding_dense_backward(*args, config=cfg))
+
+
+def test_embedding_strided_grad(launches):
+    grad = _rand(12, 16)[:, ::2]
+    _check("embedding_dense_backward", launch.embedding_dense_backward, (grad, torch.randint(0, 4, (12,)), 4, 0, False),
+           launches, "embedding_dense_backward_kernel")
+
+
+# ------------------------------------------------------------------ MoE permute
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_moe_grad_blocks_and_drops(dtype, launches):
+    """K = 5, tokens not a multiple of BLOCK_T, 8-column blocks with a tail, 20 of 35 rows present."""
+    perm = torch.randperm(35, dtype=torch.int32)
+    _check("moe_token_permute_grad", launch.moe_token_permute_grad, (_rand(20, 21, dtype=dtype), perm, 5), launches,
+           "moe_token_permute_grad_kernel", block_h=8)
+
+
+def test_moe_grad_k512_int64(launches):
+    _check("moe_token_permute_grad", launch.moe_token_permute_grad,
+           (_rand(1000, 3), torch.randperm(1024), 512), launches, "moe_token_permute_grad_kernel")
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_moe_permute_blocks(dtype, launches):
+    tokens, idx = _rand(9, 21, dtype=dtype)[:, :19], torch.randint(0, 4, (9, 3), dtype=torch.int32)
+    size = launch.moe_token_permute_workspace(tokens, idx, 20)
+    _check("moe_token_permute", launch.moe_token_permute, (tokens, idx, 20), launches, "moe_token_permute_kernel",
+           block_h=8, workspace=torch.empty(size, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------ out=
+def test_out_written_in_place(launches):
+    """The public ``out=`` reaches the launchers: results land in the caller's tensors (no copy)."""
+    dy, x, g = _rand(9, 12, dtype=torch.bfloat16), _rand(9, 12, dtype=torch.bfloat16), _rand(12)
+    rstd = torch.rand(9) + 0.5
+    outs = (torch.empty(9, 12, dtype=torch.bfloat16), torch.empty(12))
+    got = gradops.rms_norm_grad(dy, x, rstd, g, out=outs)
+    assert got[0].data_ptr() == outs[0].data_ptr() and got[1].data_ptr() == outs[1].data_ptr()
+    assert_matches("rms_norm_grad", tuple(outs), Sample("out", "out=", (dy, x, rstd, g)))
+    hs_out = torch.empty(6, 10)
+    xt = _rand(10, 6).t()  # dense but transposed: out has other strides, so the strided kernel writes it
+    gradops.hardswish_backward(torch.ones(6, 10), xt, out=hs_out)
+    assert_matches("hardswish_backward", hs_out, Sample("out", "out=", (torch.ones(6, 10), xt)))
+    assert launches()["rms_norm_grad_kernel"] == 1 and launches()["hardswish_strided_kernel"] == 1
