@@ -1,0 +1,100 @@
+"""CANN's aclnn two-phase API in Python: same function names, argument order and status codes as the C API.
+
+Porting a C call::
+
+    ret = aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut, &workspaceSize, &executor);
+    ret = aclnnRmsNormGrad(workspaceAddr, workspaceSize, executor, stream);
+
+becomes::
+
+    ret, workspaceSize, executor = aclnnRmsNormGradGetWorkspaceSize(dy, x, rstd, gamma, dxOut, dgammaOut)
+    ret = aclnnRmsNormGrad(workspace, workspaceSize, executor, stream)   # stream: None or a torch.cuda.Stream
+
+Tensors are torch tensors (an ``aclTensor*`` that is NULL is ``None``); the workspace is a tensor of at least
+``workspaceSize`` bytes (any dtype, read as bytes) or ``None`` when the size is 0; results are written into
+the out tensors. Nothing here raises for bad arguments: every call returns a status (``ACLNN_*`` below) and
+:func:`aclGetRecentErrMsg` says why. Validation is the same table the PyTorch API uses (:mod:`gradops.contract`),
+in its CANN-strict form; the work runs in the implementation :func:`gradops.backend.select` picks.
+"""
+
+from ..status import (
+    ACLNN_ERR_INNER,
+    ACLNN_ERR_INNER_CREATE_EXECUTOR,
+    ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+    ACLNN_ERR_INNER_INFERSHAPE_ERROR,
+    ACLNN_ERR_INNER_INVALID_IMPL_MODE,
+    ACLNN_ERR_INNER_JSON_FORMAT_INVALID,
+    ACLNN_ERR_INNER_JSON_VALUE_NOT_FOUND,
+    ACLNN_ERR_INNER_KEY_CONFLICT,
+    ACLNN_ERR_INNER_LOAD_JSON_FAILED,
+    ACLNN_ERR_INNER_NOT_TRANS_EXECUTOR,
+    ACLNN_ERR_INNER_NULLPTR,
+    ACLNN_ERR_INNER_OP_NOT_REGISTERED,
+    ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND,
+    ACLNN_ERR_INNER_PRE_ALLOC_FAILED,
+    ACLNN_ERR_INNER_STATIC_BLOCK_DIM_INVALID,
+    ACLNN_ERR_INNER_STATIC_WORKSPACE_INVALID,
+    ACLNN_ERR_INNER_TILING_ERROR,
+    ACLNN_ERR_INNER_WRONG_ATTR_INFO_SIZE,
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
+    ACLNN_SUCCESS,
+    STATUS_NAMES,
+)
+from ._executor import aclDestroyAclOpExecutor, aclGetRecentErrMsg, aclOpExecutor, aclSetAclOpExecutorRepeatable
+from .embedding import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
+from .hardswish import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
+from .moe_permute import (
+    aclnnMoeTokenPermute,
+    aclnnMoeTokenPermuteGetWorkspaceSize,
+    aclnnMoeTokenPermuteGrad,
+    aclnnMoeTokenPermuteGradGetWorkspaceSize,
+)
+from .rms_norm import aclnnRmsNorm, aclnnRmsNormGetWorkspaceSize, aclnnRmsNormGrad, aclnnRmsNormGradGetWorkspaceSize
+
+#: ``aclnnStatus`` is a plain int; kept as a name so ported signatures read the same.
+aclnnStatus = int
+
+__all__ = [
+    "ACLNN_ERR_INNER",
+    "ACLNN_ERR_INNER_CREATE_EXECUTOR",
+    "ACLNN_ERR_INNER_FIND_KERNEL_ERROR",
+    "ACLNN_ERR_INNER_INFERSHAPE_ERROR",
+    "ACLNN_ERR_INNER_INVALID_IMPL_MODE",
+    "ACLNN_ERR_INNER_JSON_FORMAT_INVALID",
+    "ACLNN_ERR_INNER_JSON_VALUE_NOT_FOUND",
+    "ACLNN_ERR_INNER_KEY_CONFLICT",
+    "ACLNN_ERR_INNER_LOAD_JSON_FAILED",
+    "ACLNN_ERR_INNER_NOT_TRANS_EXECUTOR",
+    "ACLNN_ERR_INNER_NULLPTR",
+    "ACLNN_ERR_INNER_OPP_PATH_NOT_FOUND",
+    "ACLNN_ERR_INNER_OP_NOT_REGISTERED",
+    "ACLNN_ERR_INNER_PRE_ALLOC_FAILED",
+    "ACLNN_ERR_INNER_STATIC_BLOCK_DIM_INVALID",
+    "ACLNN_ERR_INNER_STATIC_WORKSPACE_INVALID",
+    "ACLNN_ERR_INNER_TILING_ERROR",
+    "ACLNN_ERR_INNER_WRONG_ATTR_INFO_SIZE",
+    "ACLNN_ERR_PARAM_INVALID",
+    "ACLNN_ERR_PARAM_NULLPTR",
+    "ACLNN_ERR_RUNTIME_ERROR",
+    "ACLNN_SUCCESS",
+    "STATUS_NAMES",
+    "aclDestroyAclOpExecutor",
+    "aclGetRecentErrMsg",
+    "aclOpExecutor",
+    "aclSetAclOpExecutorRepeatable",
+    "aclnnEmbeddingDenseBackward",
+    "aclnnEmbeddingDenseBackwardGetWorkspaceSize",
+    "aclnnHardswishBackward",
+    "aclnnHardswishBackwardGetWorkspaceSize",
+    "aclnnMoeTokenPermute",
+    "aclnnMoeTokenPermuteGetWorkspaceSize",
+    "aclnnMoeTokenPermuteGrad",
+    "aclnnMoeTokenPermuteGradGetWorkspaceSize",
+    "aclnnRmsNorm",
+    "aclnnRmsNormGetWorkspaceSize",
+    "aclnnRmsNormGrad",
+    "aclnnRmsNormGradGetWorkspaceSize",
+    "aclnnStatus",
+]

@@ -1,0 +1,218 @@
+"""The aclOpExecutor and the two phases every aclnn operator shares.
+
+Phase 1 (``aclnnXxxGetWorkspaceSize``) validates with the op's table in :mod:`gradops.contract` (``cann=True``),
+chooses the implementation once (:func:`gradops.backend.select`), asks it how much scratch memory it needs and
+returns ``(status, workspace_size, executor)``. Phase 2 (``aclnnXxx(workspace, workspaceSize, executor,
+stream)``) runs the bound work and writes the results into the caller's out tensors. Neither phase raises for
+bad arguments: both return a status, and :func:`aclGetRecentErrMsg` gives the message of the last refusal.
+
+Status choices where CANN leaves the behaviour undefined (a C caller gets memory corruption, not a code):
+
+- an out tensor that is a broadcast view (a stride 0 over more than one element): 161002 from phase 1.
+- executor ``None``: 161001; an executor already run (not repeatable), destroyed, or made by another op: 161002.
+- ``stream`` not ``None`` and not a ``torch.cuda.Stream`` on the tensors' device: 161002.
+- workspace needed (size > 0) but ``workspace`` is ``None``: 161001. ``workspaceSize`` smaller than phase 1
+  reported, a workspace tensor with fewer bytes than ``workspaceSize``, non-contiguous or on another device:
+  161002 (ACLNN_ERR_PARAM_INVALID: a parameter check, nothing has run yet, so the executor stays usable).
+- a data-dependent refusal while running (e.g. an index out of range): the OpError's status (161002); any other
+  failure of the implementation: 361001 (ACLNN_ERR_RUNTIME_ERROR). A run that started consumes the executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import backend
+from ..status import (
+    ACLNN_ERR_INNER,
+    ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    ACLNN_ERR_RUNTIME_ERROR,
+    ACLNN_SUCCESS,
+    STATUS_NAMES,
+    OpError,
+)
+
+_last = threading.local()
+
+#: ``compute(impl, workspace_kwargs)``: runs the bound implementation and writes the caller's outputs.
+Compute = Callable[[Callable, dict], None]
+
+
+def aclGetRecentErrMsg() -> str:
+    """The message of the most recent refused or failed aclnn call in this thread ("" if none), as
+    ``aclGetRecentErrMsg()`` returns it in CANN."""
+    return getattr(_last, "message", "")
+
+
+def _refuse(status: int, message: str) -> int:
+    _last.message = f"{message} [{STATUS_NAMES.get(status, 'UNKNOWN')} {status}]"
+    return status
+
+
+def refused(error: OpError) -> tuple[int, int, None]:
+    """Phase 1's answer to a validation failure: ``(status, 0, None)``."""
+    _last.message = str(error)
+    return error.status, 0, None
+
+
+class aclOpExecutor:  # CANN's name (not PEP 8), so ported code reads the same
+    """The work phase 1 bound: inputs, outputs, implementation and workspace size.
+
+    Single-use like CANN's executors: a second run returns 161002 unless :func:`aclSetAclOpExecutorRepeatable`
+    was called first. Attributes ``op``, ``backend`` (the implementation chosen in phase 1), ``device`` and
+    ``workspace_size`` (bytes) are for inspection only.
+    """
+
+    def __init__(self, op: str, backend_name: str, device: torch.device, workspace_size: int,
+                 run: Callable[[torch.Tensor | None], None]) -> None:
+        self.op = op
+        self.backend = backend_name
+        self.device = device
+        self.workspace_size = workspace_size
+        self._run = run
+        self.repeatable = False
+        self.spent = False
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self.destroyed else "spent" if self.spent else "ready"
+        return (f"aclOpExecutor({self.op}, backend={self.backend}, device={self.device}, "
+                f"workspace={self.workspace_size} B, {'repeatable, ' if self.repeatable else ''}{state})")
+
+
+def aclSetAclOpExecutorRepeatable(executor: aclOpExecutor | None) -> int:
+    """Allow ``executor`` to run any number of times (until :func:`aclDestroyAclOpExecutor`).
+
+    Returns:
+        0; 161001 for ``None``; 161002 for an executor already spent or destroyed.
+    """
+    if executor is None:
+        return _refuse(ACLNN_ERR_PARAM_NULLPTR, "aclSetAclOpExecutorRepeatable: executor is None")
+    if not isinstance(executor, aclOpExecutor) or executor.spent or executor.destroyed:
+        return _refuse(ACLNN_ERR_PARAM_INVALID,
+                       f"aclSetAclOpExecutorRepeatable: {executor!r} cannot be made repeatable")
+    executor.repeatable = True
+    return ACLNN_SUCCESS
+
+
+def aclDestroyAclOpExecutor(executor: aclOpExecutor | None) -> int:
+    """Release ``executor`` (the bound tensors and implementation); it cannot run afterwards.
+
+    Returns:
+        0; 161001 for ``None``; 161002 for an executor destroyed before.
+    """
+    if executor is None:
+        return _refuse(ACLNN_ERR_PARAM_NULLPTR, "aclDestroyAclOpExecutor: executor is None")
+    if not isinstance(executor, aclOpExecutor) or executor.destroyed:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"aclDestroyAclOpExecutor: {executor!r} cannot be destroyed")
+    executor.destroyed = True
+    executor._run = None  # drop the references to the caller's tensors, as CANN frees the executor
+    return ACLNN_SUCCESS
+
+
+def _implementation(op: str, device: torch.device) -> tuple[str, Callable, Callable | None]:
+    """``(backend name, op function, workspace hook or None)``; the hook is ``<op>_workspace`` on the backend's
+    module (see the common workspace protocol: same positional args, returns bytes)."""
+    name, fn = backend.select(op, device)
+    module = importlib.import_module(backend.MODULES[name])
+    return name, fn, getattr(module, f"{op}_workspace", None)
+
+
+def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute,
+            outs: dict[str, torch.Tensor]) -> tuple[int, int, aclOpExecutor | None]:
+    """Phase 1 after validation: bind ``compute`` to the chosen implementation and size its workspace.
+
+    Args:
+        op: the backend op name (``"rms_norm_grad"``, ...).
+        device: the device of the tensors.
+        size_args: the positional args the implementation will receive (stand-ins with the right metadata where
+            the real ones depend on data, e.g. converted indices), passed to the workspace hook.
+        compute: called at run time as ``compute(impl, {"workspace": slice})`` (``{}`` without a hook).
+        outs: the out tensors by name: refused (161002) when a broadcast view (stride 0) cannot hold one value
+            per element.
+
+    Returns:
+        ``(status, workspace_size, executor)``.
+    """
+    for name, t in outs.items():
+        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+            return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} must have one memory location per element, got "
+                           f"strides {tuple(t.stride())} for shape {tuple(t.shape)}"), 0, None
+    try:
+        name, fn, hook = _implementation(op, device)
+    except (RuntimeError, ValueError, ImportError, KeyError) as e:  # GRADOPS_BACKEND names nothing usable
+        return _refuse(ACLNN_ERR_INNER_FIND_KERNEL_ERROR, f"{op}: no implementation: {e}"), 0, None
+    try:
+        size = int(hook(*size_args)) if hook is not None else 0
+    except Exception as e:  # noqa: BLE001 - a C API cannot throw; report the hook's failure as an inner error
+        return _refuse(ACLNN_ERR_INNER, f"{op}: {name} workspace query failed: {e!r}"), 0, None
+
+    def run(workspace: torch.Tensor | None) -> None:
+        compute(fn, {"workspace": workspace} if hook is not None else {})
+
+    return ACLNN_SUCCESS, size, aclOpExecutor(op, name, device, size, run)
+
+
+def _workspace_bytes(op: str, workspace, workspace_size, executor: aclOpExecutor) -> tuple[int, torch.Tensor | None]:
+    """Validate the caller's workspace; returns ``(status, the slice the implementation gets)``."""
+    need = executor.workspace_size
+    if need == 0:
+        return ACLNN_SUCCESS, None
+    if workspace is None:
+        return _refuse(ACLNN_ERR_PARAM_NULLPTR, f"{op}: workspace is None but {need} bytes are needed"), None
+    if isinstance(workspace_size, bool) or not isinstance(workspace_size, int) or workspace_size < need:
+        return _refuse(ACLNN_ERR_PARAM_INVALID,
+                       f"{op}: workspaceSize must be >= {need} (phase 1's answer), got {workspace_size!r}"), None
+    if not isinstance(workspace, torch.Tensor) or not workspace.is_contiguous() or workspace.device != executor.device:
+        given = f"{type(workspace).__name__}" if not isinstance(workspace, torch.Tensor) else \
+            f"a tensor on {workspace.device}, contiguous={workspace.is_contiguous()}"
+        return _refuse(ACLNN_ERR_PARAM_INVALID,
+                       f"{op}: workspace must be a contiguous tensor on {executor.device}, got {given}"), None
+    raw = workspace.reshape(-1).view(torch.uint8)  # void*: any dtype, read as bytes
+    if raw.numel() < workspace_size:
+        return _refuse(ACLNN_ERR_PARAM_INVALID,
+                       f"{op}: workspace holds {raw.numel()} bytes, fewer than workspaceSize = {workspace_size}"), None
+    return ACLNN_SUCCESS, raw[:need]
+
+
+def _stream_context(op: str, stream, executor: aclOpExecutor) -> tuple[int, contextlib.AbstractContextManager]:
+    if stream is None:
+        return ACLNN_SUCCESS, contextlib.nullcontext()
+    if not isinstance(stream, torch.cuda.Stream) or executor.device.type != "cuda" or stream.device != executor.device:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: stream must be None or a torch.cuda.Stream on "
+                       f"{executor.device}, got {stream!r}"), contextlib.nullcontext()
+    return ACLNN_SUCCESS, torch.cuda.stream(stream)
+
+
+def execute(op: str, workspace, workspace_size, executor: aclOpExecutor | None, stream) -> int:
+    """Phase 2: check the executor, stream and workspace, then run the bound work (enqueued on ``stream``)."""
+    if executor is None:
+        return _refuse(ACLNN_ERR_PARAM_NULLPTR, f"{op}: executor is None")
+    if not isinstance(executor, aclOpExecutor) or executor.op != op:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: executor {executor!r} was not made for {op}")
+    if executor.destroyed or executor.spent:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {executor!r} cannot run again (executors are single-use "
+                       "unless aclSetAclOpExecutorRepeatable was called)")
+    status, ctx = _stream_context(op, stream, executor)
+    if status:
+        return status
+    status, ws = _workspace_bytes(op, workspace, workspace_size, executor)
+    if status:
+        return status
+    executor.spent = not executor.repeatable
+    try:
+        with ctx, torch.no_grad():  # writing into out tensors that require grad is the caller's business
+            executor._run(ws)
+    except OpError as e:  # data-dependent checks (indices) run here, on the data present at run time
+        _last.message = str(e)
+        return e.status
+    except Exception as e:  # noqa: BLE001 - a C API cannot throw: runtime failures become 361001
+        return _refuse(ACLNN_ERR_RUNTIME_ERROR, f"{op}: {executor.backend} failed: {e!r}")
+    return ACLNN_SUCCESS
