@@ -4,14 +4,14 @@ Each op body is that op's single dispatch point: validate (the contract), pick a
 (:func:`gradops.backend.select`), reshape to the backend's 2-D view, run.
 """
 
-from .embedding import embedding_dense_backward
+from .embedding import embedding, embedding_dense_backward
 from .hardswish import hardswish, hardswish_backward
 from .layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
 from .moe_permute import moe_token_permute, moe_token_permute_grad
 from .rms_norm import rms_norm, rms_norm_grad
 
 __all__ = [
-    "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
+    "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
     "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad", "rms_norm",
     "rms_norm_grad",
 ]

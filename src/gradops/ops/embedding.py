@@ -8,6 +8,7 @@ from torch import Tensor
 from ..backend import select
 from ..contract._common import require_present
 from ..contract.embedding import check_embedding_dense_backward, checked_indices
+from ._out import check_out, run_into
 
 
 @torch.library.custom_op("gradops::embedding_dense_backward", mutates_args=())
@@ -26,7 +27,7 @@ def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
 
 
 def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
-                             scale_grad_by_freq: bool = False) -> Tensor:
+                             scale_grad_by_freq: bool = False, *, out: Tensor | None = None) -> Tensor:
     """aclnnEmbeddingDenseBackward: the gradient of an embedding table.
 
     ``out[k] = sum_{i: indices[i] = k} grad[i] / (count[k] if scale_grad_by_freq else 1)``, with the row
@@ -41,9 +42,91 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         padding_idx: signed; a value outside ``[0, num_weights)``, e.g. the default -1, means no padding row
             (CANN's rule: Python's ``nn.Embedding`` normalisation of negatives does not apply here).
         scale_grad_by_freq: divide by each index's count over all occurrences, padding included.
+        out: optional preallocated (num_weights, E) table in grad's dtype to write into (every row is written;
+            see :mod:`gradops.ops._out`).
 
     Returns:
         (num_weights, E) in grad's dtype.
     """
-    require_present("embedding_dense_backward", grad=grad, indices=indices)
+    # here too: the schema would refuse a None or a bad scalar before the op body checks
+    rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    if out is not None:
+        outs = check_out("embedding_dense_backward", out, [((num_weights, grad.shape[-1]), grad.dtype)], grad.device,
+                         grad=grad, indices=indices)
+        idx = checked_indices(indices, num_weights)
+        _, impl = select("embedding_dense_backward", grad.device)
+        args = (grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq)
+        return run_into(impl, args, outs, [None])[0]
     return _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+# ---------------------------------------------------------------- forward: the lookup whose backward is the op above
+# Imported here, not at the top, so that this section stays one appended block of the file.
+from ..contract._common import FLOATS, fail, require_dtype, require_int, require_rank, require_same_device
+from ..contract.embedding import INDEX_DTYPES
+from ..status import ACLNN_ERR_PARAM_INVALID
+
+
+def _check_embedding(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> None:
+    """Metadata-only checks of the lookup (they also run on fake tensors while torch.compile traces)."""
+    op = "embedding"
+    require_present(op, weight=weight, indices=indices)
+    require_int(op, "padding_idx", padding_idx)
+    if not isinstance(scale_grad_by_freq, bool):
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
+    require_same_device(op, weight=weight, indices=indices)
+    require_dtype(op, "weight", weight, FLOATS)
+    require_dtype(op, "indices", indices, INDEX_DTYPES)
+    require_rank(op, "weight", weight, 2, 2)
+    require_rank(op, "indices", indices, 0, 7)  # the output, indices.shape + (E,), stays within 8 dims
+
+
+@torch.library.custom_op("gradops::embedding", mutates_args=())
+def _embedding(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
+    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    idx = checked_indices(indices, weight.shape[0], op="embedding")
+    return weight.index_select(0, idx).view(*indices.shape, weight.shape[1])
+
+
+@_embedding.register_fake
+def _(weight, indices, padding_idx, scale_grad_by_freq):
+    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+def _embedding_setup(ctx, inputs, output):
+    weight, indices, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    # int(): a SymInt under dynamic-shape tracing; the backward op's schema takes a plain int.
+    ctx.num_weights = int(weight.shape[0])
+    ctx.padding_idx, ctx.scale_grad_by_freq = padding_idx, scale_grad_by_freq
+
+
+def _embedding_backward(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    # Flatten to (N, E) and (N,): a 0-d index gives a 1-D grad, which the backward's 2-to-8-dim rule refuses.
+    dweight = _embedding_dense_backward(grad.reshape(-1, grad.shape[-1]), indices.reshape(-1), ctx.num_weights,
+                                        ctx.padding_idx, ctx.scale_grad_by_freq)
+    return dweight, None, None, None
+
+
+_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
+    """The embedding lookup ``out = weight[indices]``, differentiable through :func:`embedding_dense_backward`.
+
+    Args:
+        weight: (V, E) table, float16 / bfloat16 / float32.
+        indices: 0 to 7 dims, any of the backward's nine index dtypes (floats truncated toward zero); every
+            value must lie in ``[0, V)`` (else OpError 161002).
+        padding_idx: CANN's rule: a value in ``[0, V)`` names the row whose gradient stays zero; any other
+            value, e.g. the default -1, means none. (``gradops.nn.Embedding`` normalises Python's negative
+            ``padding_idx`` as ``torch.nn.Embedding`` does before calling this.)
+        scale_grad_by_freq: divide each row's gradient by its index count in the batch.
+
+    Returns:
+        ``indices.shape + (E,)`` in weight's dtype (a new tensor).
+    """
+    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    return _embedding(weight, indices, padding_idx, scale_grad_by_freq)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.hardswish import check_hardswish, check_hardswish_backward
+from ._out import check_out, refuse_autograd, run_into
 
 
 @torch.library.custom_op("gradops::hardswish_backward", mutates_args=())
@@ -47,23 +48,34 @@ def _backward(ctx, grad):
 _hardswish.register_autograd(_backward, setup_context=_setup)
 
 
-def hardswish(self: Tensor) -> Tensor:
+def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     """``y = x * clamp(x + 3, 0, 6) / 6``; differentiable through :func:`hardswish_backward` (CANN's closed
-    interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides."""
+    interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides. ``out``: optional
+    preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not differentiable)."""
     check_hardswish(self)  # here too: the schema would refuse a None first
+    if out is not None:
+        refuse_autograd("hardswish", self)
+        outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
+        return run_into(select("hardswish", self.device)[1], (self,), outs, [None])[0]
     return _hardswish(self)
 
 
-def hardswish_backward(grad_output: Tensor, self: Tensor) -> Tensor:
+def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None = None) -> Tensor:
     """aclnnHardswishBackward: ``grad_output * d(self)`` with ``d = 0`` below -3, ``x/3 + 0.5`` on the CLOSED
     interval [-3, 3] (so ``d(-3) = -0.5`` and ``d(3) = 1.5``, where PyTorch >= 2.8 gives 0 and 1), 1 above 3.
 
     Args:
         grad_output: gradient of the forward's output, dtype and shape of ``self`` (no broadcasting).
         self: the forward's input, float16 / bfloat16 / float32, 0 to 8 dims.
+        out: optional preallocated result (self's shape and dtype, any strides) to write into.
 
     Returns:
-        A new tensor of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's 950 kernel).
+        A new tensor (or ``out``) of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's
+        950 kernel).
     """
     check_hardswish_backward(grad_output, self)
+    if out is not None:
+        outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, gradOutput=grad_output,
+                         self=self)
+        return run_into(select("hardswish_backward", self.device)[1], (grad_output, self), outs, [None])[0]
     return _hardswish_backward(grad_output, self)

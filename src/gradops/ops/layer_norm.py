@@ -8,6 +8,7 @@ from torch import Tensor
 from ..backend import select
 from ..contract.layer_norm import (check_layer_norm, check_layer_norm_backward, check_layer_norm_grad,
                                    check_layer_norm_grad_beta)
+from ._out import check_out, refuse_autograd, run_into
 
 
 @torch.library.custom_op("gradops::layer_norm", mutates_args=())
@@ -100,42 +101,74 @@ def _backward(ctx, dy, dmean, dvar):
 _layer_norm.register_autograd(_backward, setup_context=_setup)
 
 
-def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
+def _into(op: str, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
+    """The ``out=`` path of every op here: validate out, pick the backend, write (see :mod:`gradops.ops._out`)."""
+    outs = check_out(op, out, specs, device, **inputs)
+    _, impl = select(op, device)
+    return run_into(impl, args, outs, shapes)
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
+               out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm over the last dim, differentiable through the fused :func:`layer_norm_backward`.
+    ``out``: optional preallocated ``(y, mean, variance)`` (see :mod:`gradops.ops._out`; not differentiable).
 
     Returns:
         ``(y, mean, variance)``: y in x's dtype; mean and the biased variance in float32 of shape ``x.shape[:-1]``
         (the statistics AscendC LayerNormGrad takes).
     """
-    check_layer_norm(x, gamma, beta, epsilon)  # here too: the schema would refuse a None first
+    rows, cols = check_layer_norm(x, gamma, beta, epsilon)  # here too: the schema would refuse a None first
+    if out is not None:
+        refuse_autograd("layer_norm", x, gamma, beta)
+        stat = (x.shape[:-1], torch.float32)
+        return _into("layer_norm", x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
+                     [(x.shape, x.dtype), stat, stat], [(rows, cols), (rows,), (rows,)], x=x, gamma=gamma, beta=beta)
     return _layer_norm(x, gamma, beta, epsilon)
 
 
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
-                    epsilon: float = 1e-5) -> tuple[Tensor, Tensor]:
+                    epsilon: float = 1e-5, *, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGrad: ``(pdx, res_for_gamma)`` for dy, x of shape (..., H).
 
     Uses ``rstd = (variance + epsilon)^-0.5`` and CANN's formula term by term (see
     :mod:`gradops.reference.layer_norm`); ``res_for_gamma = (x - mean) * rstd`` feeds
     :func:`layer_norm_grad_beta`. Both results in x's dtype. mean and variance: float32 or x's dtype, shape
-    ``x.shape[:-1]`` (or keepdim).
+    ``x.shape[:-1]`` (or keepdim). ``out``: optional preallocated ``(pdx, res_for_gamma)``.
     """
-    check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+    rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+    if out is not None:
+        args = (dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows), gamma,
+                epsilon)
+        return _into("layer_norm_grad", x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2, dy=dy, x=x,
+                     variance=variance, mean=mean, gamma=gamma)
     return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
 
 
-def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None
+                         ) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGradBeta: ``pd_gamma = sum(dy * res_for_gamma)``, ``pd_beta = sum(dy)`` over every dim
-    but the last; accumulated in float32, returned in the inputs' dtype (shape (H,))."""
-    check_layer_norm_grad_beta(res_for_gamma, dy)
+    but the last; accumulated in float32, returned in the inputs' dtype (shape (H,)). ``out``: optional
+    preallocated ``(pd_gamma, pd_beta)``."""
+    rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
+    if out is not None:
+        args = (res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
+        return _into("layer_norm_grad_beta", dy.device, args, out, [(dy.shape[-1:], dy.dtype)] * 2, [None, None],
+                     res_for_gamma=res_for_gamma, dy=dy)
     return _layer_norm_grad_beta(res_for_gamma, dy)
 
 
-def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
+                        out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNormGrad + LayerNormGradBeta fused: reads dy and x once (3·M·N·s bytes instead of 5).
+    ``out``: optional preallocated ``(dx, dgamma, dbeta)`` (see :mod:`gradops.ops._out`).
 
     Returns:
         ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``.
     """
-    check_layer_norm_backward(dy, x, mean, rstd, gamma)
+    rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
+    if out is not None:
+        args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
+        grads = (gamma.shape, torch.float32)
+        return _into("layer_norm_backward", x.device, args, out, [(x.shape, x.dtype), grads, grads],
+                     [(rows, cols), None, None], dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
     return _layer_norm_backward(dy, x, mean, rstd, gamma)

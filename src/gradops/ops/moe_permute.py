@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
+from ._out import check_out, refuse_autograd, run_into
 
 
 @torch.library.custom_op("gradops::moe_token_permute_grad", mutates_args=())
@@ -61,7 +62,7 @@ _moe_token_permute.register_autograd(_backward, setup_context=_setup)
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None = None,
-                      padded_mode: bool = False) -> tuple[Tensor, Tensor]:
+                      padded_mode: bool = False, *, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """aclnnMoeTokenPermute: group token copies by expert; differentiable w.r.t. tokens.
 
     Args:
@@ -70,17 +71,24 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         num_out_tokens: keep only the first rows of the permuted order (token dropping); None or 0 keeps all
             T*K, negative values count from the end as in a Python slice.
         padded_mode: must be False (CANN supports only False).
+        out: optional preallocated ``(permuted_tokens, sorted_indices)`` (see :mod:`gradops.ops._out`; not
+            differentiable).
 
     Returns:
         ``(permuted_tokens, sorted_indices)``: ``permuted_tokens[sorted_indices[t*K + k]] = tokens[t]``;
         sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
     """
-    check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)  # the schema would refuse a None first
+    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)  # the schema refuses a None first
+    if out is not None:
+        refuse_autograd("moe_token_permute", tokens)
+        specs = [((plan.rows, plan.hidden), tokens.dtype), ((plan.tokens * plan.topk,), torch.int32)]
+        outs = check_out("moe_token_permute", out, specs, tokens.device, tokens=tokens, indices=indices)
+        return run_into(select("moe_token_permute", tokens.device)[1], (tokens, indices, plan.rows), outs, [None, None])
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
 
 def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
-                           padded_mode: bool = False) -> Tensor:
+                           padded_mode: bool = False, *, out: Tensor | None = None) -> Tensor:
     """aclnnMoeTokenPermuteGrad: ``out[t] = sum_{k<K} grad[sorted_indices[t*K + k]]`` (fp32 sum, k order).
 
     Args:
@@ -90,9 +98,17 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
             OpError 161002 before any kernel runs.
         num_topk: K in [1, 512].
         padded_mode: must be False.
+        out: optional preallocated (T, H) in the gradient's dtype to write into (see :mod:`gradops.ops._out`).
 
     Returns:
         (T, H) in the gradient's dtype.
     """
-    check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    if out is not None:
+        specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
+        outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
+                         permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
+        checked_sorted_indices(sorted_indices)
+        impl = select("moe_token_permute_grad", permuted_output_grad.device)[1]
+        return run_into(impl, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)

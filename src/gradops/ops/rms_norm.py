@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
+from ._out import check_out, refuse_autograd, run_into
 
 
 @torch.library.custom_op("gradops::rms_norm_grad", mutates_args=())
@@ -57,23 +58,45 @@ def _backward(ctx, dy, drstd):
 _rms_norm.register_autograd(_backward, setup_context=_setup)
 
 
-def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
+def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tensor, Tensor]:
+    rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
+    refuse_autograd("rms_norm", x, gamma)
+    outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, torch.float32)], x.device, x=x, gamma=gamma)
+    _, impl = select("rms_norm", x.device)
+    return run_into(impl, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
+
+
+def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
+    rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
+    outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, torch.float32)], x.device,
+                     dy=dy, x=x, rstd=rstd, gamma=gamma)
+    _, impl = select("rms_norm_grad", x.device)
+    args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
+    return run_into(impl, args, outs, [(rows, cols), (cols,)])
+
+
+def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tensor, Tensor] | None = None
+             ) -> tuple[Tensor, Tensor]:
     """RmsNorm forward (aclnnRmsNorm), differentiable through :func:`rms_norm_grad`.
 
     Args:
         x: input of 1 to 8 dims, float16 / bfloat16 / float32.
         gamma: scale, shape ``x.shape[-gamma.dim():]``; dtype of x, or float32 with half x.
         epsilon: added to ``mean(x^2)`` under the square root.
+        out: optional preallocated ``(y, rstd)`` to write into (see :mod:`gradops.ops._out`; not differentiable).
 
     Returns:
         ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 of shape
         ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
     """
     check_rms_norm(x, gamma, epsilon)  # here too: the schema would refuse a None or a bad scalar first
+    if out is not None:
+        return _rms_norm_into(x, gamma, epsilon, out)
     return _rms_norm(x, gamma, epsilon)
 
 
-def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tuple[Tensor, Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor]:
     """RmsNorm backward (aclnnRmsNormGrad): one fused pass for dx and dgamma.
 
     Args:
@@ -82,6 +105,7 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[T
         rstd: float32, ``x.shape[:k]`` with ``k = x.dim() - gamma.dim()``, its keepdim form, or a shorter prefix
             when the skipped dims of x are 1. Used as given (eps is already inside it).
         gamma: the forward's scale, shape ``x.shape[k:]``; dtype of x or float32 (with half x).
+        out: optional preallocated ``(dx, dgamma)`` to write into (see :mod:`gradops.ops._out`).
 
     Returns:
         ``(dx, dgamma)``: dx in dy's dtype; dgamma float32 in gamma's shape.
@@ -91,4 +115,6 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[T
             rule (CANN checks shapes while tiling).
     """
     check_rms_norm_grad(dy, x, rstd, gamma)
+    if out is not None:
+        return _rms_norm_grad_into(dy, x, rstd, gamma, out)
     return _rms_norm_grad(dy, x, rstd, gamma)

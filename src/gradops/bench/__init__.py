@@ -1,0 +1,132 @@
+"""``gradops bench``: every op against PyTorch eager, torch.compile and Liger-Kernel, side by side in one run.
+
+For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op's byte floor (formulas in
+:mod:`gradops.bench.cases`), % of the ``copy_`` bandwidth measured in the same run, and the speedup of gradops
+(fresh outputs, and ``out=`` preallocated) over each peer. Results are appended as JSON lines to
+``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
+
+``--compile-cost`` instead measures the first-call cost of the compiled CPU kernels in fresh processes, with
+an empty numba cache (cold) and with the cache that run filled (cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from .cases import OPS, SHAPES
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROVIDERS = ("gradops", "gradops fresh", "gradops out=", "eager", "compile", "liger", "copy_")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to run (default: cuda when available, else cpu)")
+    parser.add_argument("--op", action="append", choices=OPS, help="op to time (repeatable; default: all)")
+    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES),
+                        help="dtype (repeatable; default: fp32 and bf16 on cpu, bf16/fp16/fp32 on cuda)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes, few rounds, no torch.compile: a smoke run (well under a minute on CPU)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 15, quick 3)")
+    parser.add_argument("--budget", type=float, default=30.0, help="seconds of timed rounds per case at most")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"),
+                        help="directory for the JSONL and PNG (default benchmarks/results)")
+    parser.add_argument("--no-save", action="store_true", help="print the table only")
+    parser.add_argument("--compile-cost", action="store_true",
+                        help="measure the CPU kernels' first-call compile cost, cold and cached, and exit")
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or 'cpu'} ({os.cpu_count()} cpus)"
+
+
+def environment(device: torch.device) -> dict:
+    """What every record carries, so a number says where and with which versions it was taken."""
+    import gradops
+    from gradops.backend import select
+
+    env = {
+        "device": device.type, "device_name": device_name(device), "torch": torch.__version__,
+        "triton": _version("triton"), "numba": _version("numba"), "liger_kernel": _version("liger-kernel"),
+        "gradops": gradops.__version__, "gradops_backend": select("rms_norm_grad", device)[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cpu" and hasattr(os, "getloadavg"):
+        env["loadavg_1m"] = round(os.getloadavg()[0], 2)  # a shared machine shows up here
+    return env
+
+
+def _release_pool() -> None:
+    """Free the CPU output pool between cases (it holds the last case's outputs, up to GiBs at large V)."""
+    pool = sys.modules.get("gradops.cpu._pool")
+    if pool is not None:
+        pool.clear()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compile_cost:
+        from .compile_cost import measure
+        return measure()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gradops bench: TRITON_INTERPRET=1 would time the interpreter; unset it", file=sys.stderr)
+        return 2
+    from . import report
+    from .cases import build
+    from .timing import time_cpu, time_cuda
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gradops bench: no CUDA device", file=sys.stderr)
+        return 2
+    dtypes = [DTYPES[d] for d in (args.dtype or (["fp32", "bf16"] if device.type == "cpu" else
+                                                 ["bf16", "fp16", "fp32"]))]
+    shapes = SHAPES["quick" if args.quick else device.type]
+    peers = set() if args.quick or args.no_compile else {"compile"}
+    reps = args.reps or (3 if args.quick else 15)
+    timer = time_cuda if device.type == "cuda" else time_cpu
+    env = environment(device)
+    rows: list[dict] = []
+    print(f"gradops bench on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
+          f"triton {env['triton']}, backend {env['gradops_backend']}, {env['threads']} threads", flush=True)
+    for op in args.op or OPS:
+        for shape in shapes[op]:
+            for dtype in dtypes:
+                case = build(op, shape, dtype, device, peers)
+                timings = timer(case.providers, reps, args.budget, failures=case.notes)
+                for name, why in case.notes.items():
+                    print(f"  ({op} {name}: {why})", file=sys.stderr)
+                new = report.records(case, timings, env)
+                print(report.table(new).split("\n", 2)[2] if rows else report.table(new), flush=True)
+                rows.extend(new)
+                del case, timings
+                _release_pool()
+    if not args.no_save and rows:
+        stem = f"{device.type}-{datetime.date.today().isoformat()}"
+        report.write_jsonl(rows, args.results / f"{stem}.jsonl")
+        drawn = report.plot(rows, args.results / f"{stem}.png")
+        print(f"\nwrote {args.results / (stem + '.jsonl')}" + (f" and {stem}.png" if drawn else ""))
+    return 0

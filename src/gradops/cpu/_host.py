@@ -1,0 +1,105 @@
+"""Host side of the compiled CPU kernels: torch tensors <-> numpy views, outputs, row blocks, workspace.
+
+The kernels see numpy views that share memory with the torch tensors (no copy): float32 as float32, float16
+as its bits in an ``int16`` array, bfloat16 as its bits in a ``uint16`` array (numba has no bfloat16; the
+kernels convert with :mod:`gradops.cpu._numeric`). Inputs that are not contiguous are copied once (a 2-D view
+with a row stride costs ``2·M·N·s`` more bytes; the kernels then get one memory layout to compile for).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from numba.np.ufunc import parallel as _parallel
+from torch import Tensor
+
+from . import _pool
+
+#: numpy view dtype the kernels receive for each torch dtype.
+VIEW = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.uint16,
+        torch.int32: torch.int32, torch.int64: torch.int64, torch.uint8: torch.uint8}
+
+#: Row blocks of every cross-row reduction (dgamma, dbeta, LayerNormGradBeta). Fixed, so the partial sums and
+#: their order - hence the result bits - depend on the shape only, never on the thread count. 64 blocks keep 64
+#: threads busy while the fp32 partials stay small (64 x 4096 x 4 B = 1 MiB at N = 4096, 0.6% of the traffic of
+#: an 8192 x 4096 fp32 RMSNorm backward).
+ROW_BLOCKS = 64
+
+
+def as_array(t: Tensor) -> np.ndarray:
+    """A numpy view of ``t`` (made contiguous first if it is not) in the kernels' storage dtype."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(VIEW[t.dtype]).numpy()
+
+
+def row_blocks(rows: int) -> int:
+    """Number of fixed row blocks for a reduction over ``rows`` rows (at least 1 so partials exist)."""
+    return max(1, min(ROW_BLOCKS, rows))
+
+
+def output(out: Tensor | None, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """The buffer a kernel writes: ``out`` itself when it is contiguous, else a new tensor from the recycling
+    pool (:mod:`gradops.cpu._pool`; see :func:`finish` for a non-contiguous ``out``)."""
+    if out is not None and out.is_contiguous():
+        return out
+    return _pool.empty(shape, dtype)
+
+
+def finish(buf: Tensor, out: Tensor | None) -> Tensor:
+    """Deliver a kernel's result: into a non-contiguous ``out`` by copy, else ``buf`` as is."""
+    if out is None or buf is out:
+        return buf
+    out.copy_(buf.view(out.shape))
+    return out
+
+
+def scratch(workspace: Tensor | None, nbytes: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
+    """``count`` items of ``dtype`` carved from ``workspace`` at byte ``offset`` (allocated when None)."""
+    if workspace is None:
+        return np.empty(count, dtype=dtype)
+    if workspace.dtype != torch.uint8 or workspace.device.type != "cpu" or workspace.numel() < nbytes:
+        raise ValueError(f"workspace must be a CPU uint8 tensor of at least {nbytes} bytes, got "
+                         f"{workspace.dtype} with {workspace.numel()} elements on {workspace.device}")
+    raw = workspace.detach().numpy()[offset:offset + count * np.dtype(dtype).itemsize]
+    return raw.view(dtype)
+
+
+# ---------------------------------------------------------------- fork safety
+#: True in a child forked after this process ran a parallel kernel on numba's GNU-OpenMP pool: GNU OpenMP does
+#: not survive fork, and numba terminates the child at its next parallel launch ("fork() called from a process
+#: already using GNU OpenMP"). Such a child (a fork-started DataLoader worker, a multiprocessing pool) computes
+#: with the pure-torch reference instead: same results, reference speed.
+_forked_omp_child = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_omp_child
+    if getattr(_parallel, "_is_initialized", False) and _parallel.threading_layer() == "omp":
+        _forked_omp_child = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_safe(fn: Callable) -> Callable:
+    """Route ``fn`` (a backend op) to :mod:`gradops.reference`'s op of the same name in an unsafe forked child."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _forked_omp_child:
+            return fn(*args, **kwargs)
+        from .. import reference
+
+        result = getattr(reference, fn.__name__)(*args)
+        out = kwargs.get("out")
+        if out is None:
+            return result
+        for o, r in zip(out if isinstance(out, tuple) else (out,), result if isinstance(result, tuple) else (result,)):
+            o.copy_(r)
+        return out
+    return call

@@ -1,0 +1,117 @@
+"""Element access for the compiled CPU kernels: one spelling for float32, float16 and bfloat16.
+
+numba has no bfloat16 and only partial float16 support, so half tensors reach the kernels as their raw bits:
+float16 as an ``int16`` array, bfloat16 as a ``uint16`` array (see :func:`gradops.cpu._host.as_array`). The
+kernels read with :func:`ld` and write with :func:`st`; both pick the conversion from the array's numba dtype
+at compile time, so the float32 path is a plain load/store and every dtype compiles to its own machine code.
+
+- bfloat16 -> float32 is exact: the 16 bits become the top half of a float32.
+- float32 -> bfloat16 rounds to nearest, ties to even (what torch's ``.to(torch.bfloat16)`` does); a NaN stays a
+  (quiet) NaN instead of rounding into infinity.
+- float16 <-> float32 go through LLVM's ``fpext``/``fptrunc`` on ``half`` (IEEE round-to-nearest-even; F16C
+  instructions on x86), so they vectorize.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+#: fastmath flags of every kernel: reassociation lets LLVM vectorize the float32 dot products and sums, contract
+#: allows FMA. No 'nnan'/'ninf': NaN and inf must propagate as in the reference. Reassociation changes bits only
+#: with the compiled code, never with the thread count (each row or block is always reduced by the same code).
+FASTMATH = {"reassoc", "contract"}
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """Reinterpret a uint32 as float32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_to_bits(typingctx, value):
+    """Reinterpret a float32 as uint32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _half_to_f32(typingctx, bits):
+    """IEEE float16 bits (int16) -> float32, exact."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f32_to_half(typingctx, value):
+    """float32 -> IEEE float16 bits (int16), round to nearest even."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+def bf16_bits(value):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
+@overload(bf16_bits)
+def _bf16_bits(value):
+    def impl(value):
+        u = _f32_to_bits(value)
+        # round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate. A NaN would round into
+        # inf or another NaN pattern, so it takes its top bits with the quiet bit set (sign kept) instead;
+        # both are computed and one is selected (no branch, so the loops vectorize).
+        rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        quiet = (u >> np.uint32(16)) | np.uint32(0x0040)
+        is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        return np.uint16(quiet if is_nan else rounded)
+    return impl
+
+
+def ld(a, i):  # pragma: no cover - replaced by the overload inside compiled code
+    """``float32(a[i])`` for a float32, float16-bits (int16) or bfloat16-bits (uint16) array."""
+    raise NotImplementedError
+
+
+def st(a, i, v):  # pragma: no cover - replaced by the overload inside compiled code
+    """``a[i] = v`` rounded to a's dtype (float32, float16 bits, bfloat16 bits)."""
+    raise NotImplementedError
+
+
+@overload(ld)
+def _ld(a, i):
+    dt = a.dtype
+    if dt == types.float32:
+        return lambda a, i: a[i]
+    if dt == types.uint16:
+        return lambda a, i: _bits_to_f32(np.uint32(a[i]) << np.uint32(16))
+    if dt == types.int16:
+        return lambda a, i: _half_to_f32(a[i])
+    if dt in (types.float64, types.int64, types.int32):
+        return lambda a, i: np.float32(a[i])
+    return None
+
+
+@overload(st)
+def _st(a, i, v):
+    dt = a.dtype
+    if dt == types.float32:
+        def st_f32(a, i, v):
+            a[i] = v
+        return st_f32
+    if dt == types.uint16:
+        def st_bf16(a, i, v):
+            a[i] = bf16_bits(v)
+        return st_bf16
+    if dt == types.int16:
+        def st_f16(a, i, v):
+            a[i] = _f32_to_half(v)
+        return st_f16
+    return None

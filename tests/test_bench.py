@@ -1,0 +1,64 @@
+"""``gradops bench``: the --quick smoke run of every op, its JSON-lines schema, and the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradops.bench import report
+from gradops.bench.cases import OPS, Case
+from gradops.bench.timing import Timing, summarize
+from gradops.cli import main
+
+KEYS = {"op", "shape", "dtype", "provider", "median_ms", "p20_ms", "p80_ms", "reps", "bytes", "gbps", "pct_copy",
+        "device", "device_name", "torch", "triton", "numba", "gradops", "gradops_backend", "date", "threads"}
+
+
+def test_quick_run_writes_table_jsonl_and_plot(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--quick", "--dtype", "fp32", "--results", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    files = sorted(p.name for p in tmp_path.iterdir())
+    jsonl = [f for f in files if f.endswith(".jsonl")]
+    assert len(jsonl) == 1 and jsonl[0].startswith("cpu-")
+    rows = [json.loads(line) for line in (tmp_path / jsonl[0]).read_text().splitlines()]
+    for r in rows:
+        assert KEYS <= set(r), KEYS - set(r)
+        assert r["device"] == "cpu" and r["dtype"] == "fp32" and r["median_ms"] > 0
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        assert r["gbps"] == pytest.approx(r["bytes"] / (r["median_ms"] * 1e-3) / 1e9, rel=1e-2)
+    assert {r["op"] for r in rows} == set(OPS)
+    for op in OPS:
+        providers = {r["provider"] for r in rows if r["op"] == op}
+        assert {"gradops", "gradops fresh", "gradops out=", "eager", "copy_"} <= providers, op
+        assert "compile" not in providers  # --quick leaves torch.compile out
+    speedups = [r["speedup"] for r in rows if r["provider"].startswith("gradops")]
+    assert all("eager" in s and s["eager"] > 0 for s in speedups)
+    assert all(r["pct_copy"] == 100.0 for r in rows if r["provider"] == "copy_")
+    assert "rms_norm_grad" in table and "speedup vs peers" in table
+    pytest.importorskip("matplotlib")
+    assert any(f.endswith(".png") for f in files)
+
+
+def test_records_divide_the_byte_floor_by_the_median():
+    case = Case("hardswish_backward", {"n": 1000}, torch.float32, nbytes=12_000, copy_numel=1000)
+    timings = {"gradops": Timing(0.001, 0.0009, 0.0011, 5), "eager": Timing(0.004, 0.004, 0.004, 5),
+               "copy_": Timing(0.002, 0.002, 0.002, 5)}
+    rows = {r["provider"]: r for r in report.records(case, timings, {"device": "cpu"})}
+    assert rows["gradops"]["gbps"] == pytest.approx(12.0)           # 12 kB in 1 us
+    assert rows["copy_"]["gbps"] == pytest.approx(4.0)              # 2 x 1000 x 4 B in 2 us
+    assert rows["gradops"]["pct_copy"] == pytest.approx(300.0)
+    assert rows["gradops"]["speedup"] == {"eager": pytest.approx(4.0)}
+    assert "speedup" not in rows["eager"]
+
+
+def test_summary_quantiles():
+    t = summarize([0.001 * i for i in range(1, 11)])  # 1..10 ms
+    assert t.median_ms == pytest.approx(5.5) and t.p20_ms == pytest.approx(2.8) and t.p80_ms == pytest.approx(8.2)
+
+
+def test_interpreter_timings_are_refused(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["bench", "--quick", "--device", "cpu", "--no-save"]) == 2
+    assert "interpreter" in capsys.readouterr().err

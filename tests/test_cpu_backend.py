@@ -1,0 +1,234 @@
+"""The compiled CPU backend (numba): selection and fallback, bit-exact results whatever the thread count,
+bfloat16/float16 rounding, ``out=`` on every op and sample, the workspace hook and the output pool.
+
+Correctness against the float64 oracles on every sample runs in test_ops.py (its ``backend`` fixture covers
+``cpu``); here the same samples go through ``out=`` on both CPU backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+import gradops
+from gradops import backend, reference
+from gradops.status import ACLNN_ERR_PARAM_INVALID, OpError
+from oracles import assert_matches
+from samples import OPS, samples
+
+numba = pytest.importorskip("numba")
+cpu = importlib.import_module("gradops.cpu")
+pool = importlib.import_module("gradops.cpu._pool")
+
+OUT_CASES = [pytest.param(op, s, id=f"{op}-{s.name}") for op in OPS for s in samples(op)]
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that equal means bit-identical (NaN payloads and signed zeros included)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+# ---------------------------------------------------------------- selection
+def test_auto_selects_the_compiled_backend_for_cpu_tensors(monkeypatch):
+    monkeypatch.setenv("GRADOPS_BACKEND", "auto")
+    for op in cpu.__all__:
+        if hasattr(gradops.reference, op):  # the kernels, not the hooks (``*_workspace``) or cache_dir
+            assert backend.select(op, torch.device("cpu")) == ("cpu", getattr(cpu, op)), op
+
+
+def test_falls_back_to_torch_without_numba(monkeypatch):
+    """``import numba`` failing (not installed) leaves auto mode on the pure-torch path; naming cpu raises."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # makes find_spec None and the import an ImportError
+    for name in [m for m in sys.modules if m == "gradops.cpu" or m.startswith("gradops.cpu.")]:
+        monkeypatch.delitem(sys.modules, name)
+    backend._module.cache_clear()
+    try:
+        with pytest.raises(ImportError):
+            importlib.import_module("gradops.cpu")
+        monkeypatch.setenv("GRADOPS_BACKEND", "auto")
+        name, fn = backend.select("rms_norm_grad", torch.device("cpu"))
+        assert name == "torch" and fn is reference.rms_norm_grad
+        x, dy, g = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+        rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
+        dx, dg = gradops.rms_norm_grad(dy, x, rstd, g)
+        ref = reference.rms_norm_grad(dy, x, rstd, g)
+        assert torch.equal(dx, ref[0]) and torch.equal(dg, ref[1])
+        monkeypatch.setenv("GRADOPS_BACKEND", "cpu")
+        with pytest.raises(RuntimeError, match="numba"):
+            backend.select("rms_norm_grad", torch.device("cpu"))
+    finally:
+        monkeypatch.undo()
+        backend._module.cache_clear()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_falls_back_to_torch_instead_of_terminating():
+    """GNU OpenMP does not survive fork: numba would kill a child that launches a parallel kernel after the
+    parent did. The child must compute (with the reference) and exit normally."""
+    x, g = torch.randn(64, 64), torch.randn(64)
+    expected = gradops.rms_norm(x, g)[0]  # runs the parallel kernel in this process
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            got = gradops.rms_norm(x, g)[0]
+            code = 0 if torch.allclose(got, expected, rtol=1e-5, atol=1e-6) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
+def test_cache_dir_prefers_gradops_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADOPS_CACHE_DIR", str(tmp_path))
+    assert cpu.cache_dir() == str(tmp_path)
+    monkeypatch.delenv("GRADOPS_CACHE_DIR")
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    assert cpu.cache_dir().endswith("gradops/numba")
+
+
+# ---------------------------------------------------------------- determinism across thread counts
+def _thread_cases():
+    """Shapes with more rows than row blocks (64) and an uneven split, duplicated embedding rows, K = 3."""
+    g = torch.Generator().manual_seed(6)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        x, dy = torch.randn(301, 200, generator=g).to(dt), torch.randn(301, 200, generator=g).to(dt)
+        gamma = torch.randn(200, generator=g).to(dt)
+        rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-6)
+        mean = x.float().mean(-1)
+        idx = torch.randint(0, 17, (301,), generator=g)
+        perm = torch.randperm(300, generator=g)
+        name = str(dt).removeprefix("torch.")
+        yield pytest.param(cpu.rms_norm_grad, (dy, x, rstd, gamma), id=f"rms_norm_grad-{name}")
+        yield pytest.param(cpu.layer_norm_backward, (dy, x, mean, rstd, gamma), id=f"layer_norm_backward-{name}")
+        yield pytest.param(cpu.layer_norm_grad_beta, (x, dy), id=f"layer_norm_grad_beta-{name}")
+        yield pytest.param(cpu.embedding_dense_backward, (dy, idx, 20, 3, True), id=f"embedding-{name}")
+        yield pytest.param(cpu.moe_token_permute_grad, (dy[:250], perm, 3), id=f"moe-{name}")
+
+
+@pytest.mark.parametrize("fn,args", list(_thread_cases()))
+def test_bitwise_identical_whatever_the_thread_count(fn, args):
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _as_tuple(fn(*args))
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = _as_tuple(fn(*args))
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+# ---------------------------------------------------------------- half-precision rounding
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_results_round_to_nearest_even(dtype):
+    """pd_beta of two rows is one float32 add rounded once: it must equal torch's float32 -> half cast bit for
+    bit, over random values, exact ties (both directions), infinities, overflow and NaN."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(20000, generator=g) * 4).to(dtype)
+    b = (torch.randn(20000, generator=g) * 4).to(dtype)
+    eps = torch.finfo(dtype).eps
+    ties = torch.tensor([[1.0, eps / 2], [1.0 + eps, eps / 2], [-1.0, -eps / 2], [-(1.0 + eps), -eps / 2]])
+    big = torch.finfo(dtype).max
+    special = torch.tensor([[float("inf"), 1.0], [big, big], [float("nan"), 1.0], [-float("inf"), -1.0]])
+    rows = torch.cat([torch.stack([a, b], 1).float(), ties, special]).to(dtype)
+    dy = rows.t().contiguous()  # (2, n): pd_beta[j] = dy[0, j] + dy[1, j]
+    _, pd_beta = cpu.layer_norm_grad_beta(dy, dy)
+    expected = (dy[0].float() + dy[1].float()).to(dtype)
+    finite = ~expected.isnan()
+    assert torch.equal(pd_beta[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert torch.equal(pd_beta.isnan(), expected.isnan())  # NaN stays NaN (payload may differ)
+    assert pd_beta[-4].isinf() and pd_beta[-3].isinf()
+
+
+# ---------------------------------------------------------------- out=
+@pytest.mark.parametrize("op,sample", OUT_CASES)
+def test_out_writes_the_same_bits_into_the_given_tensors(op, sample, backend):
+    fn = getattr(gradops, op)
+    fresh = _as_tuple(fn(*sample.args, **sample.kwargs))
+    outs = tuple(torch.full_like(t, 7) for t in fresh)
+    got = _as_tuple(fn(*sample.args, **sample.kwargs, out=outs if len(outs) > 1 else outs[0]))
+    assert all(g is o for g, o in zip(got, outs)), f"{op}: out= must return the given tensors"
+    assert_matches(op, got, sample)
+    for a, b in zip(got, fresh):
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+def test_out_may_be_non_contiguous(backend):
+    x, dy, g = torch.randn(6, 32), torch.randn(6, 32), torch.randn(32)
+    rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
+    dx = torch.empty(32, 6).t()
+    got = gradops.rms_norm_grad(dy, x, rstd, g, out=(dx, torch.empty(32)))
+    assert got[0] is dx and torch.equal(dx, gradops.rms_norm_grad(dy, x, rstd, g)[0])
+    h = torch.empty(32, 6).t()
+    assert torch.equal(gradops.hardswish_backward(dy, x, out=h), gradops.hardswish_backward(dy, x))
+
+
+def test_out_is_validated():
+    x, dy, g = torch.randn(6, 32), torch.randn(6, 32), torch.randn(32)
+    rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
+    bad = {
+        "wrong shape": (torch.empty(6, 31), torch.empty(32)),
+        "wrong dtype": (torch.empty(6, 32, dtype=torch.float16), torch.empty(32)),
+        "overlaps an input": (dy, torch.empty(32)),
+        "outs overlap": ((buf := torch.empty(6 * 32 + 32))[:192].view(6, 32), buf[160:]),
+        "not a tuple": torch.empty(6, 32),
+    }
+    for why, out in bad.items():
+        with pytest.raises(OpError) as err:
+            gradops.rms_norm_grad(dy, x, rstd, g, out=out)
+        assert err.value.status == ACLNN_ERR_PARAM_INVALID, why
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        gradops.hardswish(x.requires_grad_(), out=torch.empty(6, 32))
+
+
+# ---------------------------------------------------------------- workspace hook and output pool
+def test_workspace_hook_carves_scratch_and_checks_its_size():
+    x, dy, g = torch.randn(100, 48), torch.randn(100, 48), torch.randn(48)
+    rstd, mean = torch.rand(100) + 0.5, torch.randn(100)
+    idx = torch.randint(0, 9, (100,))
+    calls = [("rms_norm_grad", (dy, x, rstd, g)), ("layer_norm_backward", (dy, x, mean, rstd, g)),
+             ("layer_norm_grad_beta", (x, dy)), ("embedding_dense_backward", (dy, idx, 10, 2, True))]
+    for op, args in calls:
+        nbytes = getattr(cpu, f"{op}_workspace")(*args)
+        assert nbytes > 0
+        plain = _as_tuple(getattr(cpu, op)(*args))
+        carved = _as_tuple(getattr(cpu, op)(*args, workspace=torch.empty(nbytes, dtype=torch.uint8)))
+        assert all(torch.equal(a, b) for a, b in zip(plain, carved)), op
+        with pytest.raises(ValueError, match="workspace"):
+            getattr(cpu, op)(*args, workspace=torch.empty(nbytes - 1, dtype=torch.uint8))
+
+
+def test_pool_recycles_only_dead_outputs(monkeypatch):
+    monkeypatch.setenv(pool.ENV, "64")
+    pool.clear()
+    shape = (512, 1024)  # 2 MiB fp32, above the pool's 1 MiB floor
+    a = pool.empty(shape, torch.float32)
+    b = pool.empty(shape, torch.float32)
+    assert a.data_ptr() != b.data_ptr()
+    address = a.data_ptr()
+    a.fill_(1.0)
+    del a
+    assert pool.free_bytes() == 2 << 20
+    c = pool.empty(shape, torch.float32)
+    assert c.data_ptr() == address and pool.free_bytes() == 0
+    view = c[1:]  # a view keeps the block alive
+    del c
+    assert pool.free_bytes() == 0
+    del view
+    assert pool.free_bytes() == 2 << 20
+    monkeypatch.setenv(pool.ENV, "0")
+    pool.clear()
+    d = pool.empty(shape, torch.bfloat16)
+    assert d.dtype == torch.bfloat16 and d.shape == shape
+    del d
+    assert pool.free_bytes() == 0  # pool off: nothing kept
