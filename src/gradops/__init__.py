@@ -4,15 +4,27 @@ Every function takes torch tensors, returns new tensors and never writes into it
 :class:`OpError` carrying CANN's status code.
 """
 
-from .ops import (embedding_dense_backward, hardswish, hardswish_backward, layer_norm, layer_norm_backward,
-                  layer_norm_grad, layer_norm_grad_beta, moe_token_permute, moe_token_permute_grad, rms_norm,
-                  rms_norm_grad)
+from .ops import (
+    embedding,
+    embedding_dense_backward,
+    hardswish,
+    hardswish_backward,
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_grad,
+    layer_norm_grad_beta,
+    moe_token_permute,
+    moe_token_permute_grad,
+    rms_norm,
+    rms_norm_grad,
+)
+from .patching import patch
 from .status import OpError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "OpError", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
-    "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad", "rms_norm",
-    "rms_norm_grad",
+    "OpError", "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm",
+    "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad",
+    "patch", "rms_norm", "rms_norm_grad",
 ]

@@ -1,0 +1,103 @@
+"""torch_npu's names, argument orders and return conventions, on gradops' operators.
+
+Code written for Ascend (``torch_npu.npu_rms_norm(...)``, MindSpeed's ``npu_moe_token_permute(...)``) runs on
+CPU / NVIDIA GPUs by importing these instead; ``torch_npu`` is never imported. Each alias lists the aclnn
+operator it stands for and the torch_npu schema it copies (op-plugin / MindSpeed signatures, e.g.
+``func: npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices,
+Tensor sorted_indices, bool padded_mode=False) -> Tensor`` from torch_npu's ``register_sharding`` rules).
+
+Conventions kept: rstd is float32 in the forward's keepdim shape; ``sorted_indices`` is int32 in CANN's
+convention (the permuted row of each (token, k) copy, the inverse of Megatron's); ``padded_mode=True`` is
+refused (OpError 161002), as CANN supports only False. The forwards are differentiable like torch_npu's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from . import nn, ops
+from .status import ACLNN_ERR_PARAM_INVALID, OpError
+
+__all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
+           "npu_moe_token_unpermute_grad", "npu_rms_norm", "npu_rms_norm_backward"]
+
+
+def _no_padded_mode(op: str, padded_mode: bool) -> None:
+    if padded_mode:
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "padded_mode", "False (CANN supports only paddedMode=false)",
+                      "True")
+
+
+def npu_rms_norm(self: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:
+    """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)``; aclnnRmsNorm.
+
+    Returns:
+        y in self's dtype; rstd float32 of shape ``self.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
+        Differentiable (backward: :func:`npu_rms_norm_backward`, i.e. aclnnRmsNormGrad).
+    """
+    return ops.rms_norm(self, gamma, epsilon)
+
+
+def npu_rms_norm_backward(dy: Tensor, self: Tensor, gamma: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.ops.npu.npu_rms_norm_backward(dy, self, gamma, rstd) -> (dx, dgamma)``; aclnnRmsNormGrad.
+
+    Note the order: torch_npu passes gamma BEFORE rstd, aclnnRmsNormGrad (and :func:`gradops.rms_norm_grad`)
+    take ``(dy, x, rstd, gamma)``. Returns dx in dy's dtype and dgamma in float32.
+    """
+    return ops.rms_norm_grad(dy, self, rstd, gamma)
+
+
+def npu_moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None = None,
+                          padded_mode: bool = False) -> tuple[Tensor, Tensor]:
+    """``torch_npu.npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False)
+    -> (permuted_tokens, sorted_indices)``; aclnnMoeTokenPermute. Differentiable w.r.t. tokens
+    (aclnnMoeTokenPermuteGrad)."""
+    _no_padded_mode("npu_moe_token_permute", padded_mode)
+    return ops.moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+
+def npu_moe_token_permute_grad(tokens: Tensor, grad_permuted_tokens: Tensor, indices: Tensor,
+                               sorted_indices: Tensor, padded_mode: bool = False) -> Tensor:
+    """``npu_moe_token_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False)
+    -> Tensor``; aclnnMoeTokenPermuteGrad(permutedOutputGrad, sortedIndices, numTopk, paddedMode).
+
+    torch_npu passes the forward's tokens and indices; aclnn needs only ``numTopk = indices.shape[1]`` (1 for
+    1-D indices), which is all this reads from them. Returns (T, H) in the gradient's dtype.
+    """
+    _no_padded_mode("npu_moe_token_permute_grad", padded_mode)
+    topk = indices.shape[1] if indices.dim() == 2 else 1
+    out = ops.moe_token_permute_grad(grad_permuted_tokens, sorted_indices, topk, padded_mode)
+    if out.shape[0] != tokens.shape[0]:
+        raise OpError(ACLNN_ERR_PARAM_INVALID, "npu_moe_token_permute_grad", "tokens.shape[0]",
+                      f"sorted_indices.numel() / K = {out.shape[0]}", str(tokens.shape[0]))
+    return out
+
+
+def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None = None,
+                            padded_mode: bool = False, restore_shape: Sequence[int] | None = None) -> Tensor:
+    """``torch_npu.npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+    restore_shape=None) -> Tensor``; aclnnMoeTokenUnpermute.
+
+    ``out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*K + k]]`` (K = probs.shape[1], or 1 without
+    probs). ``restore_shape`` only matters in padded mode, which CANN does not support; it is ignored.
+    Differentiable w.r.t. permuted_tokens and probs (aclnnMoeTokenUnpermuteGrad).
+    """
+    _no_padded_mode("npu_moe_token_unpermute", padded_mode)
+    return nn.moe_token_unpermute(permuted_tokens, sorted_indices, probs)
+
+
+def npu_moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted_tokens: Tensor, sorted_indices: Tensor,
+                                 probs: Tensor | None = None, padded_mode: bool = False,
+                                 restore_shape: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    """``npu_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs=None,
+    padded_mode=False, restore_shape=None) -> (grad_permuted_tokens, grad_probs)``; aclnnMoeTokenUnpermuteGrad.
+
+    The schema always returns two tensors: without probs the second is an empty tensor of probs' would-be
+    dtype (the permuted tokens' dtype) [what torch_npu returns there is not documented].
+    """
+    _no_padded_mode("npu_moe_token_unpermute_grad", padded_mode)
+    d_permuted, d_probs = nn.moe_token_unpermute_backward(permuted_tokens, grad_unpermuted_tokens, sorted_indices,
+                                                          probs)
+    return d_permuted, d_probs if d_probs is not None else permuted_tokens.new_empty(0)

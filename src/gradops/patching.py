@@ -1,0 +1,97 @@
+"""``gradops.patch(model)``: put gradops' operators under an existing model, in place.
+
+One generic walker, not one function per model architecture: every submodule whose class is exactly a key of
+the swap table becomes the table's drop-in subclass (:mod:`gradops.nn`). The swap reassigns the instance's
+class, so the module object itself stays: its parameters and buffers (hence optimizer references, device,
+dtype), hyper-parameters (eps, padding_idx, ...), training flag and hooks are all kept, and a module shared by
+two parents is swapped once. Subclasses of the torch classes (a model's own ``MyNorm(nn.LayerNorm)``) are left
+alone and reported, since their forward may differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import nn
+
+#: torch class -> gradops drop-in subclass.
+SWAPS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+    torch.nn.RMSNorm: nn.RMSNorm,
+    torch.nn.LayerNorm: nn.LayerNorm,
+    torch.nn.Embedding: nn.Embedding,
+    torch.nn.Hardswish: nn.Hardswish,
+}
+
+
+def _unsupported(module: torch.nn.Module) -> str | None:
+    """Why a module of a swappable class must keep PyTorch's implementation, or None."""
+    if isinstance(module, torch.nn.Embedding) and module.sparse:
+        return "sparse=True (aclnnEmbeddingDenseBackward produces a dense gradient)"
+    return None
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did. ``swapped`` and ``skipped`` hold ``(path, class name, detail)`` rows; the root
+    module's path is ``"(root)"``. ``str(report)`` is a printable table."""
+
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Swapped modules per gradops class name."""
+        out: dict[str, int] = {}
+        for _, name, _ in self.swapped:
+            out[name] = out.get(name, 0) + 1
+        return out
+
+    def __len__(self) -> int:
+        return len(self.swapped)
+
+    def __str__(self) -> str:
+        summary = ", ".join(f"{n} {c}" for c, n in sorted(self.counts().items())) or "nothing"
+        lines = [f"gradops.patch: swapped {len(self.swapped)} module(s) ({summary}); skipped {len(self.skipped)}"]
+        width = max((len(p) for p, _, _ in self.swapped + self.skipped), default=0)
+        lines += [f"  {p:<{width}}  -> gradops.nn.{c}({d})" for p, c, d in self.swapped]
+        lines += [f"  {p:<{width}}  kept {c}: {d}" for p, c, d in self.skipped]
+        return "\n".join(lines)
+
+
+def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.nn.Module]] | None = None
+          ) -> PatchReport:
+    """Swap the torch modules of ``model`` (itself included) for gradops' drop-in subclasses, in place.
+
+    Args:
+        model: any ``torch.nn.Module``; call before wrapping it in DDP / FSDP or ``torch.compile``.
+        swaps: class table to use instead of :data:`SWAPS`; every target must subclass its source, so the
+            instance already carries all the state the target's forward reads.
+
+    Returns:
+        A :class:`PatchReport` listing the swapped modules and the matching ones that were kept (subclasses
+        of the torch classes, unsupported options such as ``Embedding(sparse=True)``).
+    """
+    table = SWAPS if swaps is None else swaps
+    for source, target in table.items():
+        if not issubclass(target, source):
+            raise TypeError(f"gradops.patch: {target.__name__} must subclass {source.__name__} to replace it in place")
+    targets = set(table.values())
+    report = PatchReport()
+    for path, module in model.named_modules():  # shared modules are visited once
+        where = path or "(root)"
+        cls = type(module)
+        target = table.get(cls)
+        if target is None:
+            base = next((s for s in table if isinstance(module, s) and cls not in targets), None)
+            if base is not None:
+                why = f"subclass of {base.__module__}.{base.__name__}, its forward may differ"
+                report.skipped.append((where, cls.__name__, why))
+            continue
+        why = _unsupported(module)
+        if why is not None:
+            report.skipped.append((where, cls.__name__, why))
+            continue
+        module.__class__ = target
+        report.swapped.append((where, target.__name__, module.extra_repr()))
+    return report
