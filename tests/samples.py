@@ -29,7 +29,7 @@ class Sample:
     args: tuple
     kwargs: dict = field(default_factory=dict)
 
-    def clone(self) -> "Sample":
+    def clone(self) -> Sample:
         """A deep copy of the tensors (keeping strides), to prove that an op did not write into its inputs."""
         def copy(a):
             if isinstance(a, torch.Tensor):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracles import tolerance
 
 import gradops
+from oracles import tolerance
 
 F64 = torch.float64
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracles import assert_matches
-from samples import OPS, samples
 
 import gradops
+from oracles import assert_matches
+from samples import OPS, samples
 
 CASES = [pytest.param(op, s, id=f"{op}-{s.name}") for op in OPS for s in samples(op)]
 

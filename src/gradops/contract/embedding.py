@@ -12,8 +12,20 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
-from ._common import (FLOATS, MAX_RANK, fail, numel, require_dtype, require_int, require_present, require_rank,
-                      require_same_device, require_same_dtype, require_shape, shape_text)
+from ._common import (
+    FLOATS,
+    MAX_RANK,
+    fail,
+    numel,
+    require_dtype,
+    require_int,
+    require_present,
+    require_rank,
+    require_same_device,
+    require_same_dtype,
+    require_shape,
+    shape_text,
+)
 
 #: The nine index dtypes of the seed. Float indices are truncated toward zero, bool reads as 0/1 (CANN Cast).
 INDEX_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8,

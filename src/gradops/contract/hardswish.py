@@ -7,8 +7,16 @@ Source: hicann/ops-nn ``activation/hard_swish_grad/op_host/op_api/aclnn_hardswis
 
 from __future__ import annotations
 
-from ._common import (FLOATS, MAX_RANK, require_dtype, require_present, require_rank, require_same_device,
-                      require_same_dtype, require_shape)
+from ._common import (
+    FLOATS,
+    MAX_RANK,
+    require_dtype,
+    require_present,
+    require_rank,
+    require_same_device,
+    require_same_dtype,
+    require_shape,
+)
 
 
 def check_hardswish(x, *, out=None, cann: bool = False) -> None:

@@ -13,8 +13,21 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
-from ._common import (FLOATS, MAX_RANK, dtypes_text, dtype_name, fail, numel, require_dtype, require_present,
-                      require_rank, require_same_device, require_same_dtype, require_shape, shape_text)
+from ._common import (
+    FLOATS,
+    MAX_RANK,
+    dtype_name,
+    dtypes_text,
+    fail,
+    numel,
+    require_dtype,
+    require_present,
+    require_rank,
+    require_same_device,
+    require_same_dtype,
+    require_shape,
+    shape_text,
+)
 
 ASCENDC_DTYPES = (torch.float16, torch.float32)
 

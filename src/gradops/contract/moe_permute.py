@@ -12,8 +12,18 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
-from ._common import (FLOATS, fail, require_dtype, require_int, require_present, require_rank, require_same_device,
-                      require_same_dtype, require_shape, shape_text)
+from ._common import (
+    FLOATS,
+    fail,
+    require_dtype,
+    require_int,
+    require_present,
+    require_rank,
+    require_same_device,
+    require_same_dtype,
+    require_shape,
+    shape_text,
+)
 
 MAX_TOPK = 512
 INDEX_DTYPES = (torch.int32, torch.int64)

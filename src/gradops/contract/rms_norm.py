@@ -12,9 +12,22 @@ import torch
 
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
-from ._common import (FLOATS, MAX_RANK, dtype_name, dtypes_text, fail, numel, require_contiguous, require_dtype,
-                      require_present, require_rank, require_same_device, require_same_dtype, require_shape,
-                      shape_text)
+from ._common import (
+    FLOATS,
+    MAX_RANK,
+    dtype_name,
+    dtypes_text,
+    fail,
+    numel,
+    require_contiguous,
+    require_dtype,
+    require_present,
+    require_rank,
+    require_same_device,
+    require_same_dtype,
+    require_shape,
+    shape_text,
+)
 
 #: (dy/x dtype, gamma dtype) pairs of the seed's A2/A3 table. rstd and dgamma are float32, dx has dy's dtype.
 DTYPE_TABLE: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({

@@ -6,8 +6,12 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract.layer_norm import (check_layer_norm, check_layer_norm_backward, check_layer_norm_grad,
-                                   check_layer_norm_grad_beta)
+from ..contract.layer_norm import (
+    check_layer_norm,
+    check_layer_norm_backward,
+    check_layer_norm_grad,
+    check_layer_norm_grad_beta,
+)
 from ._out import check_out, refuse_autograd, run_into
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -28,7 +26,7 @@ def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
 
 
 @torch.library.custom_op("gradops::moe_token_permute", mutates_args=())
-def _moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: Optional[int],
+def _moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                        padded_mode: bool) -> tuple[Tensor, Tensor]:
     plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
     _, impl = select("moe_token_permute", tokens.device)
