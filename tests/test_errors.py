@@ -96,6 +96,13 @@ CASES = [
     ("emb-num-weights-float", "embedding_dense_backward", (t(1, 3), i32(0), 4.0), {}, INVALID, "num_weights"),
     ("emb-padding-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, None), {}, INVALID, "padding_idx"),
     ("emb-scale-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, -1, 1), {}, INVALID, "scale_grad_by_freq"),
+    # ---- embedding (the lookup whose backward is embedding_dense_backward)
+    ("embf-null", "embedding", (None, i32(0)), {}, NULL, "weight"),
+    ("embf-weight-dtype", "embedding", (t(4, 3, dtype=f64), i32(0)), {}, INVALID, "weight.dtype"),
+    ("embf-weight-rank", "embedding", (t(4), i32(0)), {}, INVALID, "weight.dim()"),
+    ("embf-indices-rank-8", "embedding", (t(4, 3), torch.zeros([1] * 8, dtype=torch.int64)), {}, INVALID, "indices.dim()"),
+    ("embf-index-too-big", "embedding", (t(4, 3), i32(0, 4)), {}, INVALID, "indices"),
+    ("embf-padding-type", "embedding", (t(4, 3), i32(0), 1.5), {}, INVALID, "padding_idx"),
     # ---- moe_token_permute
     ("moe-null", "moe_token_permute", (t(4, 3), None), {}, NULL, "indices"),
     ("moe-token-dtype", "moe_token_permute", (t(4, 3, dtype=torch.int32), i32(0, 1, 2, 3)), {}, INVALID, "tokens.dtype"),
@@ -145,6 +152,6 @@ def test_error_survives_pickling():
 
 def test_every_op_has_error_cases():
     covered = {c[1] for c in CASES}
-    assert covered == {"rms_norm_grad", "rms_norm", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta",
+    assert covered == {"embedding", "rms_norm_grad", "rms_norm", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta",
                        "layer_norm_backward", "hardswish", "hardswish_backward", "embedding_dense_backward",
                        "moe_token_permute", "moe_token_permute_grad"}

@@ -62,6 +62,22 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
     return EmbeddingPlan(indices.numel(), dim)
 
 
+def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -> None:
+    """Validate the lookup ``embedding(weight, indices, padding_idx, scale_grad_by_freq)`` whose backward is
+    aclnnEmbeddingDenseBackward: weight (V, E) float, indices of the nine index dtypes with at most 7 dims (the
+    output ``indices.shape + (E,)`` stays within 8)."""
+    op = "embedding"
+    require_present(op, weight=weight, indices=indices)
+    require_int(op, "padding_idx", padding_idx)
+    if not isinstance(scale_grad_by_freq, bool):
+        raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
+    require_same_device(op, weight=weight, indices=indices)
+    require_dtype(op, "weight", weight, FLOATS)
+    require_dtype(op, "indices", indices, INDEX_DTYPES)
+    require_rank(op, "weight", weight, 2, 2)
+    require_rank(op, "indices", indices, 0, MAX_RANK - 1)
+
+
 def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
     """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
     ``[0, num_weights)``. One host synchronisation (the range test); NaN and inf are refused too."""

@@ -6,8 +6,7 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract._common import require_present
-from ..contract.embedding import check_embedding_dense_backward, checked_indices
+from ..contract.embedding import check_embedding, check_embedding_dense_backward, checked_indices
 from ._out import check_out, run_into
 
 
@@ -61,36 +60,18 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
 
 # ---------------------------------------------------------------- forward: the lookup whose backward is the op above
-# Imported here, not at the top, so that this section stays one appended block of the file.
-from ..contract._common import FLOATS, fail, require_dtype, require_int, require_rank, require_same_device
-from ..contract.embedding import INDEX_DTYPES
-from ..status import ACLNN_ERR_PARAM_INVALID
-
-
-def _check_embedding(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> None:
-    """Metadata-only checks of the lookup (they also run on fake tensors while torch.compile traces)."""
-    op = "embedding"
-    require_present(op, weight=weight, indices=indices)
-    require_int(op, "padding_idx", padding_idx)
-    if not isinstance(scale_grad_by_freq, bool):
-        raise fail(ACLNN_ERR_PARAM_INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
-    require_same_device(op, weight=weight, indices=indices)
-    require_dtype(op, "weight", weight, FLOATS)
-    require_dtype(op, "indices", indices, INDEX_DTYPES)
-    require_rank(op, "weight", weight, 2, 2)
-    require_rank(op, "indices", indices, 0, 7)  # the output, indices.shape + (E,), stays within 8 dims
 
 
 @torch.library.custom_op("gradops::embedding", mutates_args=())
 def _embedding(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
-    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
     idx = checked_indices(indices, weight.shape[0], op="embedding")
     return weight.index_select(0, idx).view(*indices.shape, weight.shape[1])
 
 
 @_embedding.register_fake
 def _(weight, indices, padding_idx, scale_grad_by_freq):
-    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
     return weight.new_empty((*indices.shape, weight.shape[1]))
 
 
@@ -128,5 +109,5 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     Returns:
         ``indices.shape + (E,)`` in weight's dtype (a new tensor).
     """
-    _check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
     return _embedding(weight, indices, padding_idx, scale_grad_by_freq)
