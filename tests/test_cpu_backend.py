@@ -89,10 +89,25 @@ def test_forked_child_falls_back_to_torch_instead_of_terminating():
 
 def test_cache_dir_prefers_gradops_variable(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADOPS_CACHE_DIR", str(tmp_path))
-    assert cpu.cache_dir() == str(tmp_path)
+    versioned = cpu.cache_dir()
+    assert os.path.dirname(versioned) == str(tmp_path)  # one folder per version of the kernel sources
+    monkeypatch.setenv("GRADOPS_CACHE_DIR", versioned)
+    assert cpu.cache_dir() == versioned  # a child process inheriting the folder shares it
     monkeypatch.delenv("GRADOPS_CACHE_DIR")
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    assert cpu.cache_dir().endswith("gradops/numba")
+    assert os.path.dirname(cpu.cache_dir()).endswith(os.path.join("gradops", "numba"))
+
+
+def test_cache_folder_follows_the_sources(monkeypatch, tmp_path):
+    import shutil
+
+    copy = tmp_path / "cpu"
+    shutil.copytree(os.path.dirname(cpu.__file__), copy)
+    monkeypatch.setattr(cpu, "__file__", str(copy / "__init__.py"))
+    before = cpu._sources_fingerprint()
+    with open(copy / "_reduce.py", "a") as f:
+        f.write("\n# an edit to a helper that the kernels inline\n")
+    assert cpu._sources_fingerprint() != before
 
 
 # ---------------------------------------------------------------- determinism across thread counts

@@ -1,21 +1,39 @@
 """Compiled CPU kernels (numba): the ``cpu`` backend of :mod:`gradops.backend`.
 
 Importing this package needs numba; without it the import fails and the dispatcher uses the pure-torch
-reference instead. numba's on-disk cache goes to ``$GRADOPS_CACHE_DIR`` (default ``~/.cache/gradops/numba``)
-unless ``NUMBA_CACHE_DIR`` is already set: the default, next to the source, fails in a read-only
+reference instead. numba's on-disk cache goes to a folder per version of these sources under ``$GRADOPS_CACHE_DIR``
+(default ``~/.cache/gradops/numba``, or ``NUMBA_CACHE_DIR`` if that is set): the default, next to the source, fails in a read-only
 site-packages. The variable must be set before numba is imported, hence here, first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
 
+def _sources_fingerprint() -> str:
+    """A hash of this package's sources. numba validates a cached kernel against its own file's timestamp only,
+    so a kernel whose helper (``_reduce``, ``_numeric``) changed would keep its stale machine code; one cache
+    folder per version of the sources makes that impossible (measured: an edited fold stayed stale)."""
+    digest = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
 def cache_dir() -> str:
-    """Where compiled kernels are cached (GRADOPS_CACHE_DIR, else NUMBA_CACHE_DIR, else ~/.cache/gradops/numba)."""
-    return (os.environ.get("GRADOPS_CACHE_DIR") or os.environ.get("NUMBA_CACHE_DIR")
+    """Where compiled kernels are cached: ``<base>/<hash of the sources>``, base = GRADOPS_CACHE_DIR, else
+    NUMBA_CACHE_DIR, else ~/.cache/gradops/numba."""
+    base = (os.environ.get("GRADOPS_CACHE_DIR") or os.environ.get("NUMBA_CACHE_DIR")
             or os.path.join(os.path.expanduser("~"), ".cache", "gradops", "numba"))
+    fingerprint = _sources_fingerprint()
+    # A child process inherits NUMBA_CACHE_DIR as set below: already this version's folder, share it.
+    return base if os.path.basename(os.path.normpath(base)) == fingerprint else os.path.join(base, fingerprint)
 
 
 os.environ["NUMBA_CACHE_DIR"] = cache_dir()
