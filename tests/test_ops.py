@@ -3,6 +3,8 @@ writes into its inputs, and repeats bit for bit."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -53,3 +55,26 @@ def test_every_op_has_samples():
     for op in OPS:
         purposes = {s.purpose for s in samples(op)}
         assert len(purposes) >= 3, f"{op}: samples must cover several purposes"
+
+
+def _op_args(op, sample) -> tuple:
+    """The sample's arguments in the order of the registered op's schema (the public signature, defaults filled,
+    without ``out``)."""
+    bound = inspect.signature(getattr(gradops, op)).bind(*sample.args, **sample.kwargs)
+    bound.apply_defaults()
+    bound.arguments.pop("out", None)
+    return tuple(bound.arguments.values())
+
+
+@pytest.mark.parametrize("op,sample", CASES)
+def test_fake_matches_real(op, sample, backend):
+    """Outputs have the shapes, dtypes and strides the op's fake implementation promises: what torch.compile traces
+    with. (A backend returning another layout than the fake breaks compiled graphs: found in hardswish_backward.)"""
+    torch.library.opcheck(getattr(torch.ops.gradops, op).default, _op_args(op, sample), test_utils=("test_faketensor",))
+
+
+def test_padding_idx_beyond_int64_means_none(backend):
+    grad, idx = torch.randn(3, 2), torch.tensor([0, 1, 1])
+    expected = gradops.embedding_dense_backward(grad, idx, 4, -1)
+    for padding_idx in (2**64 - 1, 2**63, 10**30, -(2**70)):  # a uint64 pattern or any out-of-table value
+        assert torch.equal(gradops.embedding_dense_backward(grad, idx, 4, padding_idx), expected)

@@ -45,3 +45,12 @@ def test_sample(op, sample, launches):
     again = getattr(gradops, op)(*sample.args, **sample.kwargs)
     for a, b in zip(outs, again if isinstance(again, tuple) else (again,)):
         assert same(a, b), f"{op}: not bitwise reproducible"
+
+
+@pytest.mark.parametrize("op,sample", CASES)
+def test_fake_matches_real(op, sample):
+    """The kernels' outputs have the shapes, dtypes and strides of the ops' fake implementations (what
+    torch.compile traces with), as on the CPU backends (tests/test_ops.py)."""
+    from test_ops import _op_args
+
+    torch.library.opcheck(getattr(torch.ops.gradops, op).default, _op_args(op, sample), test_utils=("test_faketensor",))

@@ -81,17 +81,17 @@ def _dense(t: Tensor) -> bool:
 
 
 def _layout(inputs: list[Tensor], out: Tensor | None) -> tuple[list[Tensor], Tensor]:
-    """Inputs and an output that share one dense layout (copying inputs only when they do not)."""
-    ref = inputs[0]
-    same = all(_dense(t) and t.stride() == ref.stride() for t in inputs)
-    if not same:
-        inputs = [t.contiguous() for t in inputs]
-        ref = inputs[0]
+    """Inputs and an output that share the layout ``torch.empty_like(self)`` has (``self`` = the last input):
+    the op's fake implementation promises exactly that layout, so compiled graphs see the strides they traced.
+    Inputs already in it are used in place; the others are copied into it once."""
+    self_ = inputs[-1]
+    ref = self_ if _dense(self_) else torch.empty_like(self_)  # empty_like keeps a dense tensor's strides
+    inputs = [t if _dense(t) and t.stride() == ref.stride() else torch.empty_like(ref).copy_(t) for t in inputs]
     if out is not None and out.stride() == ref.stride() and _dense(out):
         return inputs, out
     if ref.is_contiguous():
         return inputs, _pool.empty(ref.shape, ref.dtype)
-    return inputs, torch.empty_like(ref)  # keeps a dense input's strides
+    return inputs, torch.empty_like(ref)
 
 
 @fork_safe

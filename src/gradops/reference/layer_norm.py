@@ -23,7 +23,8 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float,
         mean = var = xf.new_zeros(x.shape[:-1])
     y = (xf - mean[:, None]) * torch.rsqrt(var + epsilon)[:, None] * gamma.to(compute) + beta.to(compute)
     stat = torch.promote_types(torch.float32, compute)
-    return y.to(x.dtype), mean.to(stat), var.to(stat)
+    # .contiguous(): elementwise results follow x's layout; the ops' fake implementations promise row-major.
+    return y.to(x.dtype).contiguous(), mean.to(stat), var.to(stat)
 
 
 def _grad_terms(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, compute: torch.dtype):
@@ -48,7 +49,7 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     """AscendC LayerNormGrad: returns ``(pd_x, res_for_gamma = (x - mean) * rstd)``, both in x's dtype."""
     rstd = torch.rsqrt(variance.to(compute).reshape(-1, 1) + epsilon)
     pd_x, xhat = _grad_terms(dy, x, mean.reshape(-1, 1), rstd, gamma, compute)
-    return pd_x.to(x.dtype), xhat.to(x.dtype)
+    return pd_x.to(x.dtype).contiguous(), xhat.to(x.dtype).contiguous()
 
 
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor,
@@ -67,4 +68,4 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     pd_x, xhat = _grad_terms(dy, x, mean.reshape(-1, 1), rstd.to(compute).reshape(-1, 1), gamma, compute)
     dyf = dy.to(compute)
     out = torch.promote_types(torch.float32, compute)
-    return pd_x.to(x.dtype), (dyf * xhat).sum(dim=0).to(out), dyf.sum(dim=0).to(out)
+    return pd_x.to(x.dtype).contiguous(), (dyf * xhat).sum(dim=0).to(out), dyf.sum(dim=0).to(out)

@@ -17,7 +17,8 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, compute: torch.dtype = to
     mean_sq = xf.square().mean(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
     rstd = torch.rsqrt(mean_sq + epsilon)
     y = xf * rstd[:, None] * gamma.to(compute)
-    return y.to(x.dtype), rstd.to(torch.promote_types(torch.float32, compute))
+    # .contiguous(): elementwise results follow x's layout; the ops' fake implementations promise row-major.
+    return y.to(x.dtype).contiguous(), rstd.to(torch.promote_types(torch.float32, compute))
 
 
 def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
@@ -37,4 +38,4 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
     else:
         dx = wdy
     dgamma = (dyf * xhat).sum(dim=0)
-    return dx.to(dy.dtype), dgamma.to(torch.promote_types(torch.float32, compute))
+    return dx.to(dy.dtype).contiguous(), dgamma.to(torch.promote_types(torch.float32, compute))
