@@ -261,3 +261,14 @@ def test_moe_unpermute_refuses_out_of_range_indices_with_161002():
     with pytest.raises(gradops.OpError) as err:
         gnn.moe_token_unpermute(torch.randn(4, 3), bad, torch.rand(2, 2))
     assert err.value.status == 161002
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_moe_unpermute_refuses_duplicate_indices_with_161002(with_probs):
+    """In range but not a permutation: some row would have no source (found reading uninitialised memory)."""
+    permuted = torch.randn(4, 3, requires_grad=True)
+    probs = torch.rand(2, 2) if with_probs else None
+    duplicated = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    with pytest.raises(gradops.OpError) as info:
+        gnn.moe_token_unpermute(permuted, duplicated, probs if with_probs else None)
+    assert info.value.status == 161002 and info.value.arg == "sorted_indices"

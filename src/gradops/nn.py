@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import ops
 from .contract.moe_permute import checked_sorted_indices
+from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",
            "moe_token_unpermute", "moe_token_unpermute_backward"]
@@ -123,9 +124,11 @@ class MoeTokenUnpermute(torch.nn.Module):
 
 
 def _inverse(sorted_indices: Tensor) -> Tensor:
-    """``inv[sorted_indices[i]] = i``: the flat (token, k) position that landed on each permuted row (int64)."""
+    """``inv[sorted_indices[i]] = i``: the flat (token, k) position that landed on each permuted row (int64).
+    The -1 fill keeps it defined even for a non-permutation while tracing (eager calls were refused by
+    :func:`_topk`)."""
     s = sorted_indices.long()
-    inv = torch.empty_like(s)
+    inv = torch.full_like(s, -1)
     inv[s] = torch.arange(s.numel(), device=s.device)
     return inv
 
@@ -136,6 +139,13 @@ def _topk(sorted_indices: Tensor, probs: Tensor | None) -> int:
         # sync, as in the ops). Skipped while tracing, where a data-dependent test would break the graph: there
         # torch's own index bounds checks are what stops a bad index.
         checked_sorted_indices(sorted_indices, op="moe_token_unpermute")
+        # Unpermuting also needs every permuted row named once (CANN: "no duplicate indices"): a duplicate
+        # would leave a row with no source, and its probability weight undefined.
+        counts = torch.bincount(sorted_indices.long(), minlength=sorted_indices.numel())
+        if sorted_indices.numel() and not bool((counts == 1).all()):
+            row = int((counts != 1).nonzero()[0, 0])
+            raise OpError(ACLNN_ERR_PARAM_INVALID, "moe_token_unpermute", "sorted_indices",
+                          "a permutation of [0, T*K) naming every row once", f"row {row} named {int(counts[row])} times")
     if probs is None:
         return 1
     if probs.dim() != 2 or probs.numel() != sorted_indices.numel():
