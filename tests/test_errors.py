@@ -94,6 +94,7 @@ CASES = [
     ("emb-bool-empty-table", "embedding_dense_backward", (t(1, 3), torch.tensor([True]), 1), {}, INVALID, "indices"),
     ("emb-num-weights-negative", "embedding_dense_backward", (t(1, 3), i32(0), -1), {}, INVALID, "num_weights"),
     ("emb-num-weights-float", "embedding_dense_backward", (t(1, 3), i32(0), 4.0), {}, INVALID, "num_weights"),
+    ("emb-num-weights-beyond-int64", "embedding_dense_backward", (t(1, 3), i32(0), 2**64), {}, INVALID, "num_weights"),
     ("emb-padding-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, None), {}, INVALID, "padding_idx"),
     ("emb-scale-type", "embedding_dense_backward", (t(1, 3), i32(0), 4, -1, 1), {}, INVALID, "scale_grad_by_freq"),
     # ---- embedding (the lookup whose backward is embedding_dense_backward)
@@ -113,6 +114,7 @@ CASES = [
     ("moe-topk-513", "moe_token_permute", (t(1, 3), torch.zeros(1, 513, dtype=torch.int32)), {}, INVALID, "indices.shape[1]"),
     ("moe-topk-0", "moe_token_permute", (t(1, 3), torch.zeros(1, 0, dtype=torch.int32)), {}, INVALID, "indices.shape[1]"),
     ("moe-padded", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"padded_mode": True}, INVALID, "padded_mode"),
+    ("moe-num-out-beyond-int64", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"num_out_tokens": -(2**63) - 1}, INVALID, "num_out_tokens"),
     ("moe-num-out-type", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"num_out_tokens": 2.0}, INVALID, "num_out_tokens"),
     # ---- moe_token_permute_grad
     ("moeg-null", "moe_token_permute_grad", (None, i32(0, 1), 2), {}, NULL, "permuted_output_grad"),

@@ -94,12 +94,19 @@ def require_contiguous(op: str, **tensors: torch.Tensor) -> None:
                        f"strides {tuple(t.stride())} for shape {shape_text(t.shape)}")
 
 
-def require_int(op: str, name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+def require_int(op: str, name: str, value: object, lo: int | None = None, hi: int | None = None,
+                int64: bool = True) -> int:
+    """An int (not a bool) in ``[lo, hi]``, and within int64 unless ``int64=False`` (for a value the caller
+    normalises before it reaches an op schema, such as padding_idx)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "an int", type(value).__name__)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
-        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"an int {bounds}", str(value))
+    if not int64 and lo is None and hi is None:
+        return value
+    # The op schemas carry int64: a larger Python int would fail there with a plain RuntimeError.
+    lo = max(lo, -(2**63)) if lo is not None else -(2**63)
+    hi = min(hi, 2**63 - 1) if hi is not None else 2**63 - 1
+    if value < lo or value > hi:
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"an int in [{lo}, {hi}]", str(value))
     return value
 
 

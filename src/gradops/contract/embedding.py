@@ -43,7 +43,7 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
     outs = {"out": out} if cann else {}
     require_present(op, grad=grad, indices=indices, **outs)
     require_int(op, "num_weights", num_weights, lo=0)
-    require_int(op, "padding_idx", padding_idx)
+    require_int(op, "padding_idx", padding_idx, int64=False)  # any int: outside [0, V) means none
     if not isinstance(scale_grad_by_freq, bool):
         raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
     require_same_device(op, grad=grad, indices=indices, **outs)
@@ -68,7 +68,7 @@ def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -
     output ``indices.shape + (E,)`` stays within 8)."""
     op = "embedding"
     require_present(op, weight=weight, indices=indices)
-    require_int(op, "padding_idx", padding_idx)
+    require_int(op, "padding_idx", padding_idx, int64=False)  # any int: outside [0, V) means none
     if not isinstance(scale_grad_by_freq, bool):
         raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
     require_same_device(op, weight=weight, indices=indices)
@@ -76,6 +76,12 @@ def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -
     require_dtype(op, "indices", indices, INDEX_DTYPES)
     require_rank(op, "weight", weight, 2, 2)
     require_rank(op, "indices", indices, 0, MAX_RANK - 1)
+
+
+def no_padding_outside_table(padding_idx: int, num_weights: int) -> int:
+    """CANN's rule as one value: a padding_idx outside ``[0, num_weights)`` names no row, so it becomes -1
+    (which also keeps a uint64 pattern such as ``2**64 - 1`` inside the int64 the op schema carries)."""
+    return padding_idx if 0 <= padding_idx < num_weights else -1
 
 
 def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:

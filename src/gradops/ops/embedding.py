@@ -6,7 +6,12 @@ import torch
 from torch import Tensor
 
 from ..backend import select
-from ..contract.embedding import check_embedding, check_embedding_dense_backward, checked_indices
+from ..contract.embedding import (
+    check_embedding,
+    check_embedding_dense_backward,
+    checked_indices,
+    no_padding_outside_table,
+)
 from ._out import check_out, run_into
 
 
@@ -49,6 +54,7 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     """
     # here too: the schema would refuse a None or a bad scalar before the op body checks
     rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    padding_idx = no_padding_outside_table(padding_idx, num_weights)
     if out is not None:
         outs = check_out("embedding_dense_backward", out, [((num_weights, grad.shape[-1]), grad.dtype)], grad.device,
                          grad=grad, indices=indices)
@@ -110,4 +116,4 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
         ``indices.shape + (E,)`` in weight's dtype (a new tensor).
     """
     check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
-    return _embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    return _embedding(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)
