@@ -33,6 +33,14 @@ def test_hardswish_backward_boundaries_are_closed(backend):
     assert out.tolist() == [-0.5, 1.5, 0.0, 1.0]
 
 
+def test_hardswish_backward_nan_passes_the_gradient(backend):
+    # semantics.md leaves NaN open; gradops follows CANN's 950 kernel: both range tests fail, so out = grad.
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0])
+    out = gradops.hardswish_backward(torch.full((4,), 2.0), x)
+    assert out[:3].tolist() == [2.0, 2.0, 0.0]  # NaN and +inf pass the gradient, -inf gives 0
+    assert abs(out[3].item() - 2.0 * (1.0 / 3.0 + 0.5)) < 1e-6
+
+
 def test_embedding_dense_backward_seed_example(backend):
     grad = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
     out = gradops.embedding_dense_backward(grad, torch.tensor([1, 2]), 4, 0, False)
