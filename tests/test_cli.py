@@ -31,11 +31,14 @@ def test_check_fails_on_a_wrong_result(monkeypatch, capsys):
     def broken(op, device):
         name, fn = real_select(op, device)
         if op == "hardswish_backward":
-            return name, lambda g, x: fn(g, x) * 1.01  # a 1% error: far beyond one bf16/fp16/fp32 ulp
+            # 5%: after rounding to bf16 (relative ulp up to 2^-7 = 0.78%) the error stays >= 4.2%, five times the
+            # check's two-ulp bf16 bound of 0.78%. A 1% error could round down to 0.77% and pass (CI, stop 7).
+            return name, lambda g, x: fn(g, x) * 1.05
         return name, fn
 
     monkeypatch.setattr(hardswish_ops, "select", broken)
-    code = cli.main(["check", "--op", "hardswish_backward", "--backend", "torch", "--rows", "4", "--cols", "32"])
+    code = cli.main(["check", "--op", "hardswish_backward", "--backend", "torch", "--rows", "4", "--cols", "32"]
+                    + ["--seed", "7"])
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and "0 passed, 3 failed" in out
 
