@@ -17,6 +17,7 @@ storage cannot be resized (``resize_`` to a larger size raises).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -79,7 +80,7 @@ def free_bytes() -> int:
 def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     """An uninitialized contiguous CPU tensor, from a recycled block when one of the exact size is free."""
     shape = tuple(int(s) for s in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # math.prod: exact, and 0.2 µs where np.prod takes 3 µs
     if nbytes < MIN_BYTES or dtype not in _VIEW or limit_bytes() <= 0:
         return torch.empty(shape, dtype=dtype)
     block = _take(nbytes)

@@ -64,7 +64,8 @@ def _hardswish_backward_kernel(g, x, out):  # pragma: no cover - compiled
 
 def _flat(t: Tensor) -> np.ndarray:
     """The storage span of a dense (non-overlapping, gap-free) tensor as a 1-D numpy view."""
-    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    t = t.detach()
+    flat = t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())  # view: 1 µs
     return flat.view(VIEW[t.dtype]).numpy()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..backend import select
@@ -12,16 +11,19 @@ from ..contract.embedding import (
     checked_indices,
     no_padding_outside_table,
 )
+from ._direct import DirectOp, own
 from ._out import check_out, run_into
 
 
-@torch.library.custom_op("gradops::embedding_dense_backward", mutates_args=())
-def _embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                               scale_grad_by_freq: bool) -> Tensor:
     rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     idx = checked_indices(indices, num_weights)
     _, impl = select("embedding_dense_backward", grad.device)
-    return impl(grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq)
+    return own(impl(grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq))
+
+
+_embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)
 
 
 @_embedding_dense_backward.register_fake
@@ -68,11 +70,13 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 # ---------------------------------------------------------------- forward: the lookup whose backward is the op above
 
 
-@torch.library.custom_op("gradops::embedding", mutates_args=())
-def _embedding(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
+def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
     check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
     idx = checked_indices(indices, weight.shape[0], op="embedding")
-    return weight.index_select(0, idx).view(*indices.shape, weight.shape[1])
+    return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
+
+
+_embedding = DirectOp("gradops::embedding", _embedding_body)
 
 
 @_embedding.register_fake
@@ -115,5 +119,5 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     Returns:
         ``indices.shape + (E,)`` in weight's dtype (a new tensor).
     """
-    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)  # before the table size is read
     return _embedding(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)

@@ -7,14 +7,17 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.hardswish import check_hardswish, check_hardswish_backward
+from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
 
 
-@torch.library.custom_op("gradops::hardswish_backward", mutates_args=())
-def _hardswish_backward(grad_output: Tensor, self: Tensor) -> Tensor:
+def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
     check_hardswish_backward(grad_output, self)
     _, impl = select("hardswish_backward", self.device)
-    return impl(grad_output, self)
+    return own(impl(grad_output, self))
+
+
+_hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body)
 
 
 @_hardswish_backward.register_fake
@@ -23,11 +26,13 @@ def _(grad_output, self):
     return torch.empty_like(self)
 
 
-@torch.library.custom_op("gradops::hardswish", mutates_args=())
-def _hardswish(self: Tensor) -> Tensor:
+def _hardswish_body(self: Tensor) -> Tensor:
     check_hardswish(self)
     _, impl = select("hardswish", self.device)
-    return impl(self)
+    return own(impl(self))
+
+
+_hardswish = DirectOp("gradops::hardswish", _hardswish_body)
 
 
 @_hardswish.register_fake
@@ -52,12 +57,12 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     """``y = x * clamp(x + 3, 0, 6) / 6``; differentiable through :func:`hardswish_backward` (CANN's closed
     interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides. ``out``: optional
     preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not differentiable)."""
-    check_hardswish(self)  # here too: the schema would refuse a None first
     if out is not None:
+        check_hardswish(self)
         refuse_autograd("hardswish", self)
         outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
         return run_into(select("hardswish", self.device)[1], (self,), outs, [None])[0]
-    return _hardswish(self)
+    return _hardswish(self, check=check_hardswish)
 
 
 def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None = None) -> Tensor:
@@ -73,9 +78,9 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
         A new tensor (or ``out``) of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's
         950 kernel).
     """
-    check_hardswish_backward(grad_output, self)
     if out is not None:
+        check_hardswish_backward(grad_output, self)
         outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, gradOutput=grad_output,
                          self=self)
         return run_into(select("hardswish_backward", self.device)[1], (grad_output, self), outs, [None])[0]
-    return _hardswish_backward(grad_output, self)
+    return _hardswish_backward(grad_output, self, check=check_hardswish_backward)

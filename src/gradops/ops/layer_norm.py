@@ -12,15 +12,18 @@ from ..contract.layer_norm import (
     check_layer_norm_grad,
     check_layer_norm_grad_beta,
 )
+from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
 
 
-@torch.library.custom_op("gradops::layer_norm", mutates_args=())
-def _layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm(x, gamma, beta, epsilon)
     _, impl = select("layer_norm", x.device)
     y, mean, var = impl(x.reshape(rows, cols), gamma, beta, epsilon)
-    return y.view(x.shape), mean.view(x.shape[:-1]), var.view(x.shape[:-1])
+    return own(y.view(x.shape), mean.view(x.shape[:-1]), var.view(x.shape[:-1]))
+
+
+_layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
 
 
 @_layer_norm.register_fake
@@ -30,14 +33,16 @@ def _(x, gamma, beta, epsilon):
     return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 
-@torch.library.custom_op("gradops::layer_norm_grad", mutates_args=())
-def _layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
+def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                      epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
     _, impl = select("layer_norm_grad", x.device)
     pdx, res = impl(dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows),
                     gamma, epsilon)
-    return pdx.view(x.shape), res.view(x.shape)
+    return own(pdx.view(x.shape), res.view(x.shape))
+
+
+_layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
 
 
 @_layer_norm_grad.register_fake
@@ -46,11 +51,13 @@ def _(dy, x, variance, mean, gamma, epsilon):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@torch.library.custom_op("gradops::layer_norm_grad_beta", mutates_args=())
-def _layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
     _, impl = select("layer_norm_grad_beta", dy.device)
-    return impl(res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
+    return own(*impl(res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols)))
+
+
+_layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body)
 
 
 @_layer_norm_grad_beta.register_fake
@@ -59,14 +66,16 @@ def _(res_for_gamma, dy):
     return dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
 
 
-@torch.library.custom_op("gradops::layer_norm_backward", mutates_args=())
-def _layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                          gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
     _, impl = select("layer_norm_backward", x.device)
     dx, dgamma, dbeta = impl(dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
                              gamma)
-    return dx.view(x.shape), dgamma, dbeta
+    return own(dx.view(x.shape), dgamma, dbeta)
+
+
+_layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body)
 
 
 @_layer_norm_backward.register_fake
@@ -121,13 +130,13 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
         ``(y, mean, variance)``: y in x's dtype; mean and the biased variance in float32 of shape ``x.shape[:-1]``
         (the statistics AscendC LayerNormGrad takes).
     """
-    rows, cols = check_layer_norm(x, gamma, beta, epsilon)  # here too: the schema would refuse a None first
     if out is not None:
+        rows, cols = check_layer_norm(x, gamma, beta, epsilon)
         refuse_autograd("layer_norm", x, gamma, beta)
         stat = (x.shape[:-1], torch.float32)
         return _into("layer_norm", x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
                      [(x.shape, x.dtype), stat, stat], [(rows, cols), (rows,), (rows,)], x=x, gamma=gamma, beta=beta)
-    return _layer_norm(x, gamma, beta, epsilon)
+    return _layer_norm(x, gamma, beta, epsilon, check=check_layer_norm)
 
 
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -139,13 +148,13 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     :func:`layer_norm_grad_beta`. Both results in x's dtype. mean and variance: float32 or x's dtype, shape
     ``x.shape[:-1]`` (or keepdim). ``out``: optional preallocated ``(pdx, res_for_gamma)``.
     """
-    rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
     if out is not None:
+        rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows), gamma,
                 epsilon)
         return _into("layer_norm_grad", x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2, dy=dy, x=x,
                      variance=variance, mean=mean, gamma=gamma)
-    return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+    return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon, check=check_layer_norm_grad)
 
 
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None
@@ -153,12 +162,12 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     """AscendC LayerNormGradBeta: ``pd_gamma = sum(dy * res_for_gamma)``, ``pd_beta = sum(dy)`` over every dim
     but the last; accumulated in float32, returned in the inputs' dtype (shape (H,)). ``out``: optional
     preallocated ``(pd_gamma, pd_beta)``."""
-    rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
     if out is not None:
+        rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
         args = (res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
         return _into("layer_norm_grad_beta", dy.device, args, out, [(dy.shape[-1:], dy.dtype)] * 2, [None, None],
                      res_for_gamma=res_for_gamma, dy=dy)
-    return _layer_norm_grad_beta(res_for_gamma, dy)
+    return _layer_norm_grad_beta(res_for_gamma, dy, check=check_layer_norm_grad_beta)
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
@@ -169,10 +178,10 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     Returns:
         ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``.
     """
-    rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
     if out is not None:
+        rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
         grads = (gamma.shape, torch.float32)
         return _into("layer_norm_backward", x.device, args, out, [(x.shape, x.dtype), grads, grads],
                      [(rows, cols), None, None], dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
-    return _layer_norm_backward(dy, x, mean, rstd, gamma)
+    return _layer_norm_backward(dy, x, mean, rstd, gamma, check=check_layer_norm_backward)

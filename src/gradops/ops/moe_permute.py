@@ -7,16 +7,19 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
+from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
 
 
-@torch.library.custom_op("gradops::moe_token_permute_grad", mutates_args=())
-def _moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                             padded_mode: bool) -> Tensor:
     check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
     checked_sorted_indices(sorted_indices)
     _, impl = select("moe_token_permute_grad", permuted_output_grad.device)
-    return impl(permuted_output_grad, sorted_indices, num_topk)
+    return own(impl(permuted_output_grad, sorted_indices, num_topk))
+
+
+_moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body)
 
 
 @_moe_token_permute_grad.register_fake
@@ -25,12 +28,14 @@ def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
     return permuted_output_grad.new_empty((plan.tokens, plan.hidden))
 
 
-@torch.library.custom_op("gradops::moe_token_permute", mutates_args=())
-def _moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                        padded_mode: bool) -> tuple[Tensor, Tensor]:
     plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
     _, impl = select("moe_token_permute", tokens.device)
-    return impl(tokens, indices, plan.rows)
+    return own(*impl(tokens, indices, plan.rows))
+
+
+_moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body)
 
 
 @_moe_token_permute.register_fake
@@ -76,13 +81,13 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         ``(permuted_tokens, sorted_indices)``: ``permuted_tokens[sorted_indices[t*K + k]] = tokens[t]``;
         sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
     """
-    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)  # the schema refuses a None first
     if out is not None:
+        plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
         refuse_autograd("moe_token_permute", tokens)
         specs = [((plan.rows, plan.hidden), tokens.dtype), ((plan.tokens * plan.topk,), torch.int32)]
         outs = check_out("moe_token_permute", out, specs, tokens.device, tokens=tokens, indices=indices)
         return run_into(select("moe_token_permute", tokens.device)[1], (tokens, indices, plan.rows), outs, [None, None])
-    return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+    return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode, check=check_moe_token_permute)
 
 
 def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -101,12 +106,13 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
     Returns:
         (T, H) in the gradient's dtype.
     """
-    plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
     if out is not None:
+        plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
         specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
         outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
                          permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
         checked_sorted_indices(sorted_indices)
         impl = select("moe_token_permute_grad", permuted_output_grad.device)[1]
         return run_into(impl, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
-    return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
+                                   check=check_moe_token_permute_grad)

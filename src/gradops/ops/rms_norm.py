@@ -7,15 +7,18 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
+from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
 
 
-@torch.library.custom_op("gradops::rms_norm_grad", mutates_args=())
-def _rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
     _, impl = select("rms_norm_grad", x.device)
     dx, dgamma = impl(dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
-    return dx.view(x.shape), dgamma.view(gamma.shape)
+    return own(dx.view(x.shape), dgamma.view(gamma.shape))
+
+
+_rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
 
 
 @_rms_norm_grad.register_fake
@@ -24,12 +27,14 @@ def _(dy, x, rstd, gamma):
     return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("gradops::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
     _, impl = select("rms_norm", x.device)
     y, rstd = impl(x.reshape(rows, cols), gamma.reshape(cols), epsilon)
-    return y.view(x.shape), rstd.view(rstd_shape)
+    return own(y.view(x.shape), rstd.view(rstd_shape))
+
+
+_rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
 
 
 @_rms_norm.register_fake
@@ -89,10 +94,9 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
         ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 of shape
         ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
     """
-    check_rms_norm(x, gamma, epsilon)  # here too: the schema would refuse a None or a bad scalar first
     if out is not None:
         return _rms_norm_into(x, gamma, epsilon, out)
-    return _rms_norm(x, gamma, epsilon)
+    return _rms_norm(x, gamma, epsilon, check=check_rms_norm)
 
 
 def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tuple[Tensor, Tensor] | None = None
@@ -114,7 +118,6 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
         OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table, 561002 for a shape
             rule (CANN checks shapes while tiling).
     """
-    check_rms_norm_grad(dy, x, rstd, gamma)
     if out is not None:
         return _rms_norm_grad_into(dy, x, rstd, gamma, out)
-    return _rms_norm_grad(dy, x, rstd, gamma)
+    return _rms_norm_grad(dy, x, rstd, gamma, check=check_rms_norm_grad)

@@ -1,0 +1,137 @@
+"""The eager fast path of gradops.ops._direct: taken only when nothing watches the call, and indistinguishable
+from the registered custom op (same bits, same gradients, same errors) when it is."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import gradops
+from gradops.status import OpError
+from samples import OPS, samples
+from test_ops import _as_tuple, _op_args
+
+direct = importlib.import_module("gradops.ops._direct")
+
+CASES = [pytest.param(op, s, id=f"{op}-{s.name}") for op in OPS for s in samples(op)]
+#: Forward ops with an autograd formula, and the float inputs a loss can reach through them.
+DIFFERENTIABLE = {"rms_norm": (0, 1), "layer_norm": (0, 1, 2), "hardswish": (0,), "moe_token_permute": (0,)}
+
+
+@pytest.mark.parametrize("op,sample", CASES)
+def test_direct_call_equals_the_custom_op(op, sample, backend):
+    assert direct.eager_path(*sample.args) == direct.BODY
+    ours = _as_tuple(getattr(gradops, op)(*sample.args, **sample.kwargs))
+    via_op = _as_tuple(getattr(torch.ops.gradops, op)(*_op_args(op, sample)))
+    for a, b in zip(ours, via_op, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)
+
+
+def _grads(fn, args: tuple, wrt: tuple[int, ...]) -> list[torch.Tensor]:
+    leaves = [a.detach().clone().requires_grad_(i in wrt) if isinstance(a, torch.Tensor) and i in wrt else a
+              for i, a in enumerate(args)]
+    outs = _as_tuple(fn(*leaves))
+    # A fixed, input-independent cotangent for the float outputs (the statistics included).
+    loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs if o.is_floating_point())
+    loss.backward()
+    return [leaves[i].grad for i in wrt]
+
+
+@pytest.mark.parametrize("op,sample", [c for c in CASES if c.values[0] in DIFFERENTIABLE])
+def test_eager_autograd_equals_the_custom_ops_formula(op, sample, backend):
+    """The eager autograd.Function and the op's registered autograd share setup_context / backward: same bits."""
+    args = _op_args(op, sample)
+    wrt = tuple(i for i in DIFFERENTIABLE[op] if args[i].is_floating_point())
+    requires = [args[i].detach().requires_grad_() for i in wrt]
+    assert direct.eager_path(*requires) == direct.FUNCTION
+    ours = _grads(getattr(gradops, op), args, wrt)
+    via_op = _grads(getattr(torch.ops.gradops, op), args, wrt)
+    for a, b in zip(ours, via_op, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_embedding_gradients_equal_the_custom_ops():
+    weight, idx = torch.randn(7, 5), torch.tensor([[1, 2, 2], [0, 6, 1]])
+    ours = _grads(lambda w, i: gradops.embedding(w, i, 2), (weight, idx), (0,))
+    via_op = _grads(lambda w, i: torch.ops.gradops.embedding(w, i, 2, False), (weight, idx), (0,))
+    assert torch.equal(ours[0], via_op[0])
+
+
+def test_paths():
+    x, w = torch.randn(4, 8), torch.nn.Parameter(torch.randn(8))
+    assert direct.eager_path(x, 1e-6) == direct.BODY
+    assert direct.eager_path(x, w) == direct.FUNCTION  # a Parameter counts as a plain tensor
+    with torch.no_grad():
+        assert direct.eager_path(x, w) == direct.BODY
+    with torch.inference_mode():
+        assert direct.eager_path(x, x) == direct.BODY
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_watched_calls_go_through_the_op():
+    x = torch.randn(4, 8)
+    assert direct.eager_path(x.as_subclass(_Subclass)) == direct.OP
+    assert direct.eager_path(torch.empty(4, 8, device="meta")) == direct.OP
+    with FakeTensorMode() as mode:
+        assert direct.eager_path(mode.from_tensor(x)) == direct.OP
+    with torch.profiler.profile() as prof:
+        assert direct.eager_path(x) == direct.OP
+        gradops.hardswish_backward(x, x)
+    assert any(e.name == "gradops::hardswish_backward" for e in prof.events()), "the profiler must see the op"
+    seen = []
+    torch.func.vmap(lambda row: seen.append(direct.eager_path(row)) or row)(x)
+    assert seen == [direct.OP]
+
+
+def test_compiled_graphs_keep_the_op():
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda g, x: gradops.hardswish_backward(g, x) * 2, backend=record, fullgraph=True)
+    x = torch.randn(4, 8)
+    assert torch.equal(fn(x, x), gradops.hardswish_backward(x, x) * 2)
+    assert any("gradops.hardswish_backward" in t for t in targets), targets
+
+
+def test_errors_are_operror_on_both_paths():
+    x = torch.randn(4, 8)
+    with pytest.raises(OpError) as direct_error:
+        gradops.rms_norm_grad(x, x, None, torch.randn(8))
+    with torch.profiler.profile(), pytest.raises(OpError) as op_error:  # the op path: validated before the schema
+        gradops.rms_norm_grad(x, x, None, torch.randn(8))
+    assert direct_error.value.status == op_error.value.status and str(direct_error.value) == str(op_error.value)
+
+
+@pytest.mark.parametrize("path", ["direct", "op"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_can_be_modified_in_place_under_autograd(path, dtype, backend):
+    """torch's own norms allow ``y.mul_(2)`` on their output; ours did not while results were views of the
+    backend's buffer ("Output 0 of rms_norm is a view and is being modified inplace"). Regression."""
+    x = torch.randn(40, 64, dtype=dtype)
+    w = torch.randn(64, dtype=dtype)
+    calls = {
+        "rms_norm": (lambda a, g: gradops.rms_norm(a, g)[0], lambda a, g: torch.ops.gradops.rms_norm(a, g, 1e-6)[0]),
+        "layer_norm": (lambda a, g: gradops.layer_norm(a, g, g)[0],
+                       lambda a, g: torch.ops.gradops.layer_norm(a, g, g, 1e-5)[0]),
+        "hardswish": (lambda a, g: gradops.hardswish(a) * g, lambda a, g: torch.ops.gradops.hardswish(a) * g),
+    }
+    for name, (ours, op) in calls.items():
+        fn = ours if path == "direct" else op
+        a, g = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(a, g)
+        y.mul_(3)
+        y.float().sum().backward()
+        a0, g0 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (fn(a0, g0) * 3).float().sum().backward()
+        assert torch.equal(a.grad, a0.grad) and torch.equal(g.grad, g0.grad), name
