@@ -90,6 +90,13 @@ def test_watched_calls_go_through_the_op():
     assert seen == [direct.OP]
 
 
+def test_jit_traces_keep_the_op():
+    x = torch.randn(4, 8)
+    traced = torch.jit.trace(lambda g, a: gradops.hardswish_backward(g, a), (x, x))
+    assert "gradops::hardswish_backward" in str(traced.graph)
+    assert torch.equal(traced(x, x), gradops.hardswish_backward(x, x))
+
+
 def test_compiled_graphs_keep_the_op():
     targets = []
 

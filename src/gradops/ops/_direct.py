@@ -4,7 +4,7 @@ Going through a custom op costs about 60 µs of Python dispatch per call on CPU,
 its autograd formula records the call (measured with torch 2.13 at a small model's sizes: a hardswish forward
 + backward of 512 x 192 took 199 µs through the ops against 54 µs in ATen; an RMSNorm backward of 1024 x 96
 took 117 µs through ``torch.ops.gradops.rms_norm_grad``, 55 µs in its body). The boundary is needed only by
-something that watches or transforms the call: torch.compile / export tracing, fake and functional tensors,
+something that watches or transforms the call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors,
 dispatch and function modes, functorch transforms, tensor subclasses, meta tensors, and the profiler (so that
 traces still name ``gradops::<op>``). When none of these is active, :class:`DirectOp` runs the op body - the
 op's single dispatch point, which validates and picks the backend - directly, or, when autograd records the
@@ -30,7 +30,8 @@ OP, BODY, FUNCTION = "op", "body", "function"
 def eager_path(*args: object) -> str:
     """Which path a call with ``args`` may take (see the module docstring)."""
     if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch.autograd.profiler._is_profiler_enabled
-            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None):
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._get_tracing_state() is not None):
         return OP
     grad = torch.is_grad_enabled()
     path = BODY
