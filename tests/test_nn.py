@@ -199,6 +199,22 @@ def test_moe_unpermute_refuses_bad_probs_shape():
         gnn.moe_token_unpermute(permuted, sorted_indices, torch.rand(4, 3))
 
 
+def test_moe_unpermute_under_torch_func_and_compile():
+    """torch.func transforms need setup_context-style autograd Functions (a forward taking ctx broke func.grad:
+    review finding)."""
+    torch.manual_seed(0)
+    tokens, probs = torch.randn(6, 4), torch.rand(6, 2)
+    permuted, sorted_indices = gradops.moe_token_permute(tokens, torch.randint(0, 3, (6, 2)))
+    p = permuted.clone().requires_grad_()
+    gnn.moe_token_unpermute(p, sorted_indices, probs).square().sum().backward()
+    grad = torch.func.grad(lambda q: gnn.moe_token_unpermute(q, sorted_indices, probs).square().sum())(permuted)
+    assert torch.equal(grad, p.grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(gnn.moe_token_unpermute, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(permuted, sorted_indices, probs),
+                               gnn.moe_token_unpermute(permuted, sorted_indices, probs), rtol=0, atol=0)
+
+
 class _MyNorm(torch.nn.LayerNorm):
     """A model's own subclass: its forward may differ, so patch must keep it."""
 

@@ -157,21 +157,29 @@ def _topk(sorted_indices: Tensor, probs: Tensor | None) -> int:
 
 
 class _Unpermute(torch.autograd.Function):
-    # forward(ctx, ...): the checked inverse permutation is computed once and saved for the backward.
-    @staticmethod
-    def forward(ctx, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None) -> Tensor:
-        k = _topk(sorted_indices, probs)
-        rows = permuted_tokens.shape[0]
-        source = _sources(sorted_indices, "moe_token_unpermute")[:rows]  # every kept row has one (token, k) source
-        ctx.save_for_backward(permuted_tokens, sorted_indices, probs, source)
-        if probs is None:  # out[t] = permuted[s[t]]: MoeTokenPermuteGrad with K = 1 is exactly this gather
-            return ops.moe_token_permute_grad(permuted_tokens, sorted_indices, 1)
-        # Weight each permuted row by its token's prob in float32, then sum the K rows of each token in float32.
-        weighted = permuted_tokens.float() * probs.reshape(-1).float().index_select(0, source)[:, None]
-        return ops.moe_token_permute_grad(weighted, sorted_indices, k).to(permuted_tokens.dtype)
+    """The forward also returns the checked inverse permutation (non-differentiable) so that the backward reuses
+    it: one check and one inversion per step. setup_context style, which torch.func transforms require."""
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def forward(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor]:
+        rows = permuted_tokens.shape[0]
+        source = _sources(sorted_indices, "moe_token_unpermute")[:rows]  # every kept row has one (token, k) source
+        k = _topk(sorted_indices, probs)
+        if probs is None:  # out[t] = permuted[s[t]]: MoeTokenPermuteGrad with K = 1 is exactly this gather
+            return ops.moe_token_permute_grad(permuted_tokens, sorted_indices, 1), source
+        # Weight each permuted row by its token's prob in float32, then sum the K rows of each token in float32.
+        weighted = permuted_tokens.float() * probs.reshape(-1).float().index_select(0, source)[:, None]
+        return ops.moe_token_permute_grad(weighted, sorted_indices, k).to(permuted_tokens.dtype), source
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        permuted_tokens, sorted_indices, probs = inputs
+        source = output[1]
+        ctx.mark_non_differentiable(source)
+        ctx.save_for_backward(permuted_tokens, sorted_indices, probs, source)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_source: Tensor | None):
         permuted_tokens, sorted_indices, probs, source = ctx.saved_tensors
         d_permuted, d_probs = _unpermute_grads(permuted_tokens, grad, sorted_indices, probs, source)
         return d_permuted, None, d_probs
@@ -192,7 +200,7 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     Returns:
         (T, H) in permuted_tokens' dtype.
     """
-    return _Unpermute.apply(permuted_tokens, sorted_indices, probs)
+    return _Unpermute.apply(permuted_tokens, sorted_indices, probs)[0]
 
 
 def moe_token_unpermute_backward(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,

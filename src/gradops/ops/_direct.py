@@ -4,8 +4,9 @@ Going through a custom op costs about 60 µs of Python dispatch per call on CPU,
 its autograd formula records the call (measured with torch 2.13 at a small model's sizes: a hardswish forward
 + backward of 512 x 192 took 199 µs through the ops against 54 µs in ATen; an RMSNorm backward of 1024 x 96
 took 117 µs through ``torch.ops.gradops.rms_norm_grad``, 55 µs in its body). The boundary is needed only by
-something that watches or transforms the call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors,
-dispatch and function modes, functorch transforms, tensor subclasses, meta tensors, and the profiler (so that
+something that watches or transforms the call: torch.compile / export / torch.jit.trace tracing, fake and
+functional tensors, dispatch and function modes, functorch transforms and the legacy vmap of batched gradients,
+tensor subclasses, meta tensors, tensors with a lazy negation or conjugation bit, and the profiler (so that
 traces still name ``gradops::<op>``). When none of these is active, :class:`DirectOp` runs the op body - the
 op's single dispatch point, which validates and picks the backend - directly, or, when autograd records the
 call, through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op
@@ -29,16 +30,22 @@ OP, BODY, FUNCTION = "op", "body", "function"
 
 def eager_path(*args: object) -> str:
     """Which path a call with ``args`` may take (see the module docstring)."""
-    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch.autograd.profiler._is_profiler_enabled
-            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch._C._get_tracing_state() is not None):
+    # Dispatch modes: the per-thread stack for user modes (the global flag is_in_torch_dispatch_mode reads can be
+    # cleared by another thread leaving its mode), the flag for infra modes (fake, functional, proxy) kept beside it.
+    # The profiler: the C++ state, which also sees a profiler started without torch.profiler's Python wrapper.
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or is_in_torch_dispatch_mode()
+            or torch.autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state() is not None):
         return OP
     grad = torch.is_grad_enabled()
     path = BODY
     for a in args:
         if isinstance(a, Tensor):
-            # Exact types only: a subclass (DTensor, a user's wrapper) has its own __torch_dispatch__ to honour.
-            if type(a) not in _PLAIN or a.is_meta:
+            # Exact types only: a subclass (DTensor, a user's wrapper) has its own __torch_dispatch__ to honour. The
+            # op resolves a lazy negation / conjugation (``z.conj().imag``) before its body sees the data; the legacy
+            # vmap of ``autograd.grad(is_grads_batched=True)`` wraps plain tensors and needs the op's batching.
+            if (type(a) not in _PLAIN or a.is_meta or a.is_neg() or a.is_conj()
+                    or torch._C._functorch.is_legacy_batchedtensor(a)):
                 return OP
             if grad and a.requires_grad:
                 path = FUNCTION

@@ -100,6 +100,9 @@ def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequen
     Backends whose function takes ``out=`` write in place (a tuple for several results); others, or an out
     without a contiguous view, get their result copied in.
     """
+    # A lazily negated input (``z.conj().imag``) reaches the kernels as its stored data: apply the sign first
+    # (resolve_neg returns the tensor itself when the bit is clear).
+    args = tuple(a.resolve_neg() if isinstance(a, Tensor) else a for a in args)
     views = [_view(o, o.shape if s is None else s) for o, s in zip(outs, shapes)]
     if _takes_out(fn) and all(v is not None for v in views):
         fn(*args, out=tuple(views) if len(views) > 1 else views[0])
