@@ -168,3 +168,32 @@ def test_lazily_negated_inputs_are_negated(backend):
     assert torch.equal(gradops.hardswish_backward(plain, neg), gradops.hardswish_backward(plain, plain))
     out = torch.empty_like(plain)
     assert torch.equal(gradops.hardswish_backward(neg, plain, out=out), gradops.hardswish_backward(plain, plain))
+
+
+def test_eager_backward_trusts_indices_its_forward_checked(monkeypatch):
+    """The embedding and MoE permute backwards reuse indices their forward validated (or produced): no second
+    range test, which on CUDA is a host synchronisation per step. Through the op (here: under the profiler) the
+    backward checks again, as any direct call of the backward op does."""
+    emb = importlib.import_module("gradops.ops.embedding")
+    moe = importlib.import_module("gradops.ops.moe_permute")
+    calls = []
+    for module, name in ((emb, "checked_indices"), (moe, "checked_sorted_indices")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+
+    weight0 = torch.randn(7, 4)
+
+    def step():
+        weight = weight0.clone().requires_grad_()
+        rows = gradops.embedding(weight, torch.tensor([[1, 2, 2], [0, 6, 1]])).reshape(6, 4)
+        permuted, _ = gradops.moe_token_permute(rows, torch.tensor([[0, 1], [1, 0], [2, 2], [0, 0], [1, 2], [0, 1]]))
+        permuted.square().sum().backward()
+        return weight.grad
+
+    eager = step()
+    assert calls == ["checked_indices"]  # the embedding forward only
+    calls.clear()
+    with torch.profiler.profile():
+        via_op = step()
+    assert calls == ["checked_indices", "checked_sorted_indices", "checked_indices"]
+    assert torch.equal(eager, via_op)

@@ -197,6 +197,26 @@ def test_moe_permute_roundtrip_large(launches):
     assert torch.equal(out, gradops.moe_token_permute_grad(grad, sorted_idx, k))
 
 
+@gpu
+def test_autograd_backwards_do_not_synchronise():
+    """The embedding and MoE permute backwards reuse the indices their forward checked: the forward may
+    synchronise (the range test), the backward must not (set_sync_debug_mode turns a sync into an error)."""
+    import gradops
+
+    weight = torch.randn(32000, 512, device="cuda", requires_grad=True)
+    tokens = torch.randint(0, 32000, (2048,), device="cuda")
+    rows = gradops.embedding(weight, tokens)
+    permuted, _ = gradops.moe_token_permute(rows, torch.randint(0, 8, (2048, 4), device="cuda"))
+    loss = permuted.float().square().sum()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert weight.grad is not None and bool(torch.isfinite(weight.grad).all())
+
+
 def _free_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if CUDA else 0
 

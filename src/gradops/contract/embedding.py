@@ -84,12 +84,21 @@ def no_padding_outside_table(padding_idx: int, num_weights: int) -> int:
     return padding_idx if 0 <= padding_idx < num_weights else -1
 
 
+def flat_indices(indices: torch.Tensor) -> torch.Tensor:
+    """Flat int64 indices after CANN's conversion (floats truncated toward zero, bool as 0 / 1), unchecked: for
+    indices already refused or accepted by :func:`checked_indices`."""
+    flat = indices.reshape(-1)
+    if flat.is_floating_point():
+        return flat.double().trunc().long()  # exact for float16/32/64 values; -0.5 -> -0.0 -> row 0 as in CANN
+    return flat.long()
+
+
 def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
     """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
     ``[0, num_weights)``. One host synchronisation (the range test); NaN and inf are refused too."""
     flat = indices.reshape(-1)
     if flat.is_floating_point():
-        flat = flat.double().trunc()  # exact for float16/32/64 values; -0.5 -> -0.0 -> row 0 as in CANN
+        flat = flat.double().trunc()  # tested in float64: NaN and inf must fail the range test, not wrap in int64
     else:
         flat = flat.long()
     if flat.numel():

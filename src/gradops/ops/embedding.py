@@ -9,18 +9,24 @@ from ..contract.embedding import (
     check_embedding,
     check_embedding_dense_backward,
     checked_indices,
+    flat_indices,
     no_padding_outside_table,
 )
-from ._direct import DirectOp, own
+from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, run_into
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
-                              scale_grad_by_freq: bool) -> Tensor:
+                                   scale_grad_by_freq: bool) -> Tensor:
     rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    idx = checked_indices(indices, num_weights)
+    return _run(grad.reshape(rows, dim), checked_indices(indices, num_weights), num_weights, padding_idx,
+                scale_grad_by_freq)
+
+
+def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
+    """The backend on (N, E) grad and flat int64 indices in the table."""
     _, impl = select("embedding_dense_backward", grad.device)
-    return own(impl(grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq))
+    return own(impl(grad, idx, num_weights, padding_idx, scale_grad_by_freq))
 
 
 _embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)
@@ -96,9 +102,13 @@ def _embedding_setup(ctx, inputs, output):
 def _embedding_backward(ctx, grad):
     (indices,) = ctx.saved_tensors
     # Flatten to (N, E) and (N,): a 0-d index gives a 1-D grad, which the backward's 2-to-8-dim rule refuses.
-    dweight = _embedding_dense_backward(grad.reshape(-1, grad.shape[-1]), indices.reshape(-1), ctx.num_weights,
-                                        ctx.padding_idx, ctx.scale_grad_by_freq)
-    return dweight, None, None, None
+    grad, indices = grad.reshape(-1, grad.shape[-1]), indices.reshape(-1)
+    args = (ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq)
+    if eager_path(grad, indices) == BODY:
+        # The forward refused any index outside the table, and autograd's saved-tensor version check guarantees
+        # these are the same values: no second range test, so no host synchronisation in the backward on CUDA.
+        return _run(grad, flat_indices(indices), *args), None, None, None
+    return _embedding_dense_backward(grad, indices, *args), None, None, None
 
 
 _embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)

@@ -34,7 +34,7 @@ def _(x, gamma, beta, epsilon):
 
 
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
-                     epsilon: float) -> tuple[Tensor, Tensor]:
+                          epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
     _, impl = select("layer_norm_grad", x.device)
     pdx, res = impl(dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows),
@@ -67,7 +67,7 @@ def _(res_for_gamma, dy):
 
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
-                         gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                              gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
     _, impl = select("layer_norm_backward", x.device)
     dx, dgamma, dbeta = impl(dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),

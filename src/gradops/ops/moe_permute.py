@@ -7,14 +7,18 @@ from torch import Tensor
 
 from ..backend import select
 from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
-from ._direct import DirectOp, own
+from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
 
 
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
-                            padded_mode: bool) -> Tensor:
+                                 padded_mode: bool) -> Tensor:
     check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
-    checked_sorted_indices(sorted_indices)
+    return _run_grad(permuted_output_grad, checked_sorted_indices(sorted_indices), num_topk)
+
+
+def _run_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int) -> Tensor:
+    """The backend on indices known to lie in [0, T*K)."""
     _, impl = select("moe_token_permute_grad", permuted_output_grad.device)
     return own(impl(permuted_output_grad, sorted_indices, num_topk))
 
@@ -29,7 +33,7 @@ def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
 
 
 def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
-                       padded_mode: bool) -> tuple[Tensor, Tensor]:
+                            padded_mode: bool) -> tuple[Tensor, Tensor]:
     plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
     _, impl = select("moe_token_permute", tokens.device)
     return own(*impl(tokens, indices, plan.rows))
@@ -58,6 +62,10 @@ def _backward(ctx, grad_permuted, _grad_sorted_indices):
     if grad_permuted is None:
         return None, None, None, None
     (sorted_indices,) = ctx.saved_tensors
+    if eager_path(grad_permuted, sorted_indices) == BODY:
+        # sorted_indices is this op's own forward output, a permutation by construction (autograd's saved-tensor
+        # version check refuses it if changed since): no range test, so no host synchronisation on CUDA.
+        return _run_grad(grad_permuted, sorted_indices, ctx.topk), None, None, None
     return _moe_token_permute_grad(grad_permuted, sorted_indices, ctx.topk, False), None, None, None
 
 
