@@ -128,7 +128,7 @@ def _sources(sorted_indices: Tensor, op: str) -> Tensor:
 
     Eagerly, sorted_indices must be a permutation of [0, T*K) (CANN: "no duplicate indices"; a duplicate would leave
     a row with no source and its probability weight undefined), else OpError 161002. The range check comes first
-    (one host sync, as in the ops) so that the scatter below never meets a bad index; then T*K values in range
+    (one host sync, as in the ops) so that the index_put below never meets a bad index; then T*K values in range
     fill all T*K slots exactly when none repeats, so an unfilled slot is the duplicate test (a second sync; no
     bincount). While tracing both checks are skipped (a data-dependent test would break the graph); the -1 fill
     keeps the result defined, and torch's own index bounds checks stop a bad index.
