@@ -217,6 +217,27 @@ def test_autograd_backwards_do_not_synchronise():
     assert weight.grad is not None and bool(torch.isfinite(weight.grad).all())
 
 
+@gpu
+def test_changed_saved_indices_reported_without_a_sync():
+    """Indices changed behind autograd's back (``.data``) after the forward: the backward neither synchronises
+    nor reads out of bounds; the kernel's flag raises the OpError at gradops.synchronize() (or the next launch)."""
+    import gradops
+
+    weight = torch.randn(1000, 64, device="cuda", requires_grad=True)
+    idx = torch.randint(0, 1000, (512,), device="cuda")
+    y = gradops.embedding(weight, idx)
+    idx.data[7] = 5000
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(gradops.OpError, match="got 5000 at flat position 7"):
+        gradops.synchronize()
+    gradops.synchronize()  # reported once
+
+
 def _free_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if CUDA else 0
 

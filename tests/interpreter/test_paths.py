@@ -230,3 +230,35 @@ def test_out_written_in_place(launches):
     gradops.hardswish_backward(torch.ones(6, 10), xt, out=hs_out)
     assert_matches("hardswish_backward", hs_out, Sample("out", "out=", (torch.ones(6, 10), xt)))
     assert launches()["rms_norm_grad_kernel"] == 1 and launches()["hardswish_strided_kernel"] == 1
+
+
+# ------------------------------------------------------------------ indices never trusted (issue 15)
+@pytest.mark.parametrize("bad", [10, -1, 2**40], ids=["at-V", "negative", "huge"])
+def test_embedding_kernel_refuses_bad_indices(bad):
+    """The launcher's range flag (read at once under the interpreter, deferred on CUDA): the public OpError text;
+    the kernel itself reads only sorted positions of in-table indices."""
+    with pytest.raises(gradops.OpError) as info:
+        launch.embedding_dense_backward(torch.randn(5, 3), torch.tensor([1, 2, bad, 4, bad]), 10, -1, False)
+    assert info.value.status == 161002 and f"got {bad} at flat position 2" in str(info.value)
+    with pytest.raises(gradops.OpError, match="at flat position 0"):  # an empty table: every index is outside
+        launch.embedding_dense_backward(torch.randn(2, 3), torch.tensor([0, 0]), 0, -1, False)
+
+
+@pytest.mark.parametrize("bad", [8, -1], ids=["at-TK", "negative"])
+def test_moe_grad_kernel_refuses_bad_sorted_indices(bad, launches):
+    si = torch.tensor([0, 1, 2, bad, 4, 5, 6, 7], dtype=torch.int32)
+    with pytest.raises(gradops.OpError, match=f"got {bad} at position 3"):
+        launch.moe_token_permute_grad(torch.randn(8, 3), si, 2)
+
+
+def test_changed_saved_indices_refused_by_the_triton_backward():
+    """The eager backward reuses the forward's indices without a host check; the kernel's flag catches a change
+    made behind autograd's back."""
+    import numpy as np
+
+    arr = np.array([1, 2, 3])
+    emb = gradops.nn.Embedding(10, 4)
+    y = emb(torch.from_numpy(arr))
+    arr[1] = -5
+    with pytest.raises(gradops.OpError, match="got -5 at flat position 1"):
+        y.sum().backward()

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ..status import OpError
 from ._common import (
     FLOATS,
     MAX_RANK,
@@ -93,6 +94,14 @@ def flat_indices(indices: torch.Tensor) -> torch.Tensor:
     return flat.long()
 
 
+def index_error(value: object, position: int, num_weights: int, op: str = "embedding_dense_backward") -> OpError:
+    """The OpError (161002) of an index ``value`` at flat ``position`` outside ``[0, num_weights)``: one text for
+    every place that tests the range (this module's check, and each backend's own test where it reads the
+    indices)."""
+    return fail(INVALID, op, "indices", f"values in [0, num_weights) = [0, {num_weights}) after truncation toward zero",
+                f"{value} at flat position {position}")
+
+
 def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
     """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
     ``[0, num_weights)``. One host synchronisation (the range test); NaN and inf are refused too."""
@@ -105,6 +114,5 @@ def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embeddin
         bad = ~((flat >= 0) & (flat < num_weights))  # NaN fails both comparisons
         if bool(bad.any()):
             pos = int(bad.nonzero()[0, 0])
-            raise fail(INVALID, op, "indices", f"values in [0, num_weights) = [0, {num_weights}) "
-                       "after truncation toward zero", f"{indices.reshape(-1)[pos].item()} at flat position {pos}")
+            raise index_error(indices.reshape(-1)[pos].item(), pos, num_weights, op)
     return flat.long()

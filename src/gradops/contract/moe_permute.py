@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ..status import OpError
 from ._common import (
     FLOATS,
     fail,
@@ -109,13 +110,18 @@ def check_moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=Fal
     return plan
 
 
+def sorted_index_error(value: int, position: int, total: int, op: str = "moe_token_permute_grad") -> OpError:
+    """The OpError (161002) of a sorted index ``value`` at ``position`` outside ``[0, T*K)``: one text for this
+    module's check and each backend's own test where it reads the indices."""
+    return fail(INVALID, op, "sorted_indices", f"values in [0, T*K) = [0, {total})", f"{value} at position {position}")
+
+
 def checked_sorted_indices(sorted_indices: torch.Tensor, op: str = "moe_token_permute_grad") -> torch.Tensor:
     """Refuse entries outside ``[0, T*K)`` (one host synchronisation); returns the tensor unchanged."""
     total = sorted_indices.numel()
     if total:
         lo, hi = torch.aminmax(sorted_indices)
         if int(lo) < 0 or int(hi) >= total:
-            bad = ((sorted_indices < 0) | (sorted_indices >= total)).nonzero()[0, 0]
-            raise fail(INVALID, op, "sorted_indices", f"values in [0, T*K) = [0, {total})",
-                       f"{int(sorted_indices[bad])} at position {int(bad)}")
+            bad = int(((sorted_indices < 0) | (sorted_indices >= total)).nonzero()[0, 0])
+            raise sorted_index_error(int(sorted_indices[bad]), bad, total, op)
     return sorted_indices

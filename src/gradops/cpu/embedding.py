@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit, prange
 from torch import Tensor
 
+from ..contract.embedding import index_error
 from ._host import as_array, finish, fork_safe, output, scratch
 from ._numeric import ld, st
 
@@ -21,11 +22,18 @@ _ROWS = 64
 @njit(cache=True)
 def _counting_sort(idx, num_weights, offsets, order):  # pragma: no cover - compiled
     """``offsets[k]..offsets[k+1]`` delimit the positions i with ``idx[i] == k`` in ``order``, in increasing i
-    (stable). Serial O(T + V): at T = 16k, V = 256k it is ~1% of the table write."""
+    (stable). Serial O(T + V): at T = 16k, V = 256k it is ~1% of the table write.
+
+    The counting pass is also the range test: it returns the first position whose index lies outside
+    ``[0, num_weights)`` (before using it to address anything), or -1. No index is trusted, not even one the
+    caller checked: indices saved for a backward can change in place without autograd seeing it (numpy, .data)."""
     for k in range(num_weights + 1):
         offsets[k] = 0
     for i in range(idx.shape[0]):
-        offsets[idx[i] + 1] += 1
+        k = idx[i]
+        if k < 0 or k >= num_weights:
+            return i
+        offsets[k + 1] += 1
     for k in range(num_weights):
         offsets[k + 1] += offsets[k]
     fill = offsets[:num_weights].copy()
@@ -33,6 +41,7 @@ def _counting_sort(idx, num_weights, offsets, order):  # pragma: no cover - comp
         k = idx[i]
         order[fill[k]] = i
         fill[k] += 1
+    return -1
 
 
 @njit(cache=True)
@@ -95,7 +104,7 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
 
     Args:
         grad: (N, E) float32/float16/bfloat16.
-        idx: (N,) int64 in [0, num_weights) (checked by the caller).
+        idx: (N,) int64; any value outside [0, num_weights) raises OpError 161002 before anything is written.
         num_weights: V. padding_idx: a row left at zero (any value outside [0, V) means none).
         scale_grad_by_freq: divide every term by its row's count (all occurrences, padding included).
         out: optional preallocated (V, E) output. workspace: optional uint8 scratch (see the ``_workspace`` hook).
@@ -108,7 +117,10 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
     nbytes = embedding_dense_backward_workspace(grad, idx, num_weights, padding_idx, scale_grad_by_freq)
     offsets = scratch(workspace, nbytes, 0, np.int64, num_weights + 1)
     order = scratch(workspace, nbytes, (num_weights + 1) * 8, np.int64, n)
-    _counting_sort(as_array(idx.long()), num_weights, offsets, order)
+    flat = as_array(idx.long())
+    bad = _counting_sort(flat, num_weights, offsets, order)
+    if bad >= 0:
+        raise index_error(int(flat[bad]), int(bad), num_weights)
     if num_weights and e:
         pad = padding_idx if 0 <= padding_idx < num_weights else -1
         _gather_rows(as_array(grad), offsets, order, pad, bool(scale_grad_by_freq), as_array(table))

@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit, prange
 from torch import Tensor
 
+from ..contract.moe_permute import sorted_index_error
 from ._host import as_array, finish, fork_safe, output
 from ._numeric import ld, st
 
@@ -54,6 +55,16 @@ def _sum1(grad, rows, k, acc, first):  # pragma: no cover - compiled
             acc[j] = acc[j] + ld(grad, (r, j))
 
 
+@njit(cache=True)
+def _first_outside(idx, total):  # pragma: no cover - compiled
+    """The first position whose entry lies outside ``[0, total)``, or -1: one serial pass over T·K indices
+    (T·K·4 bytes against the kernel's T·K·H·s), before the kernel reads a row with any of them."""
+    for i in range(idx.shape[0]):
+        if idx[i] < 0 or idx[i] >= total:
+            return i
+    return -1
+
+
 @njit(parallel=True, cache=True)
 def _permute_grad_kernel(grad, sorted_indices, topk, out):  # pragma: no cover - compiled
     """``out[t] = sum_{k<K} grad[sorted_indices[t·K + k]]`` in fp32, strictly in k order (no fastmath: the
@@ -97,7 +108,8 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
 
     Args:
         grad: (A, H) float32/float16/bfloat16.
-        sorted_indices: (T·K,) int32 or int64, CANN's convention, values in [0, T·K).
+        sorted_indices: (T·K,) int32 or int64, CANN's convention; an entry outside [0, T·K) raises OpError 161002
+            before anything is read with it or written (never trusted, even when the caller checked it).
         num_topk: K.
         out: optional preallocated (T, H).
 
@@ -106,7 +118,11 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     """
     tokens = sorted_indices.numel() // num_topk
     h = grad.shape[1]
+    idx = as_array(sorted_indices)
+    bad = _first_outside(idx, idx.shape[0])
+    if bad >= 0:
+        raise sorted_index_error(int(idx[bad]), int(bad), idx.shape[0])
     buf = output(out, (tokens, h), grad.dtype)
     if tokens and h:
-        _permute_grad_kernel(as_array(grad), as_array(sorted_indices), num_topk, as_array(buf))
+        _permute_grad_kernel(as_array(grad), idx, num_topk, as_array(buf))
     return finish(buf, out)

@@ -3,8 +3,9 @@ workspace carving of the ``<op>_workspace`` hook."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
@@ -24,9 +25,54 @@ ALIGN = 256
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
-    """Launch ``kernel[grid](*args, **meta)`` and count it in :data:`LAUNCHES`."""
+    """Launch ``kernel[grid](*args, **meta)`` and count it in :data:`LAUNCHES`; first raise the error of any
+    earlier launch's index check that has completed (see :func:`guard`)."""
+    if _PENDING:
+        raise_pending()
     LAUNCHES[kernel.__name__] += 1
     kernel[grid](*args, **meta)
+
+
+# ---------------------------------------------------------------- index checks without a host synchronisation
+#: ``(pinned host flag, CUDA event, error factory)`` of index checks still in flight, oldest first.
+_PENDING: deque[tuple[Tensor, object, Callable[[], Exception]]] = deque()
+_PENDING_LOCK = threading.Lock()
+
+
+def guard(bad: Tensor, error: Callable[[], Exception]) -> None:
+    """Report ``error()`` when the 0-d tensor ``bad`` (computed on the device by the launcher from the indices the
+    kernel reads) is non-zero. The kernels mask every access such an index would make, so nothing is read or
+    written out of bounds whatever the flag says.
+
+    On the CPU (the interpreter) the flag is read at once. On CUDA, reading it would synchronise the host with
+    the device on every call; instead it is copied into pinned host memory behind an event, and the next gradops
+    launch on any device, or :func:`raise_pending` with ``wait=True`` (``gradops.synchronize()``), raises it once the
+    event has completed: the asynchronous error model of CUDA itself, minus the poisoned context."""
+    if bad.device.type != "cuda":
+        if bool(bad):
+            raise error()
+        return
+    flag = torch.empty((), dtype=bad.dtype, pin_memory=True)
+    flag.copy_(bad, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    with _PENDING_LOCK:
+        _PENDING.append((flag, event, error))
+
+
+def raise_pending(wait: bool = False) -> None:
+    """Raise the first error among completed index checks (all checks when ``wait``; that waits for the device)."""
+    while _PENDING:
+        with _PENDING_LOCK:
+            if not _PENDING:
+                return
+            flag, event, error = _PENDING[0]
+            if not wait and not event.query():
+                return
+            _PENDING.popleft()
+        event.synchronize()
+        if bool(flag):
+            raise error()
 
 
 @cache

@@ -1,5 +1,6 @@
 """Host launcher of EmbeddingDenseBackward (backend ``triton``): device sort + segment offsets, then one kernel
-that writes every table row once. No host synchronisation (the ops layer's range check is the only one)."""
+that writes every table row once. No host synchronisation: the range test of the indices is reported through
+:func:`._common.guard`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,22 @@ import triton
 from torch import Tensor
 
 from ..kernels.embedding import EmbeddingConfig, embedding_config, embedding_dense_backward_kernel
-from ._common import carve, launch, outputs, workspace_bytes
+from ..contract.embedding import index_error
+from ._common import carve, guard, launch, outputs, workspace_bytes
 
 
 def _specs(n: int, num_weights: int) -> list[tuple[int, torch.dtype]]:
     # sorted keys, stable argsort, searchsorted queries 0..V, segment offsets (V + 1)
     return [(n, torch.int64), (n, torch.int64), (num_weights + 1, torch.int64), (num_weights + 1, torch.int64)]
+
+
+def _range_error(idx: Tensor, num_weights: int) -> Exception:
+    """The OpError of the first index outside ``[0, num_weights)`` (read when the error is raised)."""
+    bad = ((idx < 0) | (idx >= num_weights)).nonzero()
+    if not bad.numel():  # changed again since the kernel saw it
+        return index_error("a value changed again before it could be shown", -1, num_weights)
+    pos = int(bad[0, 0])
+    return index_error(int(idx[pos]), pos, num_weights)
 
 
 def embedding_dense_backward_workspace(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -31,7 +42,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
     Args:
         grad: (N, E) float16 / bfloat16 / float32, any strides.
-        indices: (N,) int64, already checked to lie in [0, num_weights).
+        indices: (N,) int64; values outside [0, num_weights) are never read with and raise OpError 161002 (at once
+            under the interpreter; on CUDA from the next launch or ``gradops.synchronize()``, see
+            :func:`._common.guard`): no host synchronisation.
         num_weights: V. padding_idx: a row left at zero when in [0, V). scale_grad_by_freq: divide by counts.
         workspace: optional uint8 scratch of :func:`embedding_dense_backward_workspace` bytes.
         out: optional contiguous (V, E) table to write into (every row is written).
@@ -41,13 +54,19 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         (V, E) contiguous, grad's dtype; deterministic (stable sort, fixed-order fp32 segment sums).
     """
     n, dim = grad.shape
+    idx = indices.reshape(-1).long()
     out = outputs(out, [((num_weights, dim), grad.dtype)], grad.device)[0]
     if num_weights == 0 or dim == 0:
+        if n:
+            guard(((idx < 0) | (idx >= num_weights)).any(), lambda: _range_error(idx, num_weights))
         return out
     keys, perm, queries, offs = carve(workspace, grad.device, _specs(n, num_weights))
-    torch.sort(indices.reshape(-1).long(), stable=True, out=(keys, perm))
+    torch.sort(idx, stable=True, out=(keys, perm))
     torch.arange(num_weights + 1, out=queries)
     torch.searchsorted(keys, queries, out=offs)
+    # The kernel reads only sorted positions in [offs[0], offs[V]), i.e. indices in [0, V): an index outside the
+    # table is never used to address memory. How many there are is the count below 0 plus the count >= V.
+    guard(offs[0] + (n - offs[num_weights]), lambda: _range_error(idx, num_weights))
     pad = padding_idx if 0 <= padding_idx < num_weights else -1
     cfg = config or embedding_config(dim)
     grid = (triton.cdiv(num_weights, cfg.rows_per_program), triton.cdiv(dim, cfg.block_e))

@@ -7,7 +7,8 @@ import triton
 from torch import Tensor
 
 from ..kernels.moe_permute import moe_blocks, moe_token_permute_grad_kernel, moe_token_permute_kernel
-from ._common import carve, launch, outputs, workspace_bytes
+from ..contract.moe_permute import sorted_index_error
+from ._common import carve, guard, launch, outputs, workspace_bytes
 
 
 def _specs(indices: Tensor) -> list[tuple[int, torch.dtype]]:
@@ -49,13 +50,23 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
     return permuted, inverse
 
 
+def _range_error(sorted_indices: Tensor, total: int) -> Exception:
+    """The OpError of the first entry outside ``[0, T*K)`` (read when the error is raised)."""
+    bad = ((sorted_indices < 0) | (sorted_indices >= total)).nonzero()
+    if not bad.numel():  # changed again since the kernel saw it
+        return sorted_index_error("a value changed again before it could be shown", -1, total)
+    pos = int(bad[0, 0])
+    return sorted_index_error(int(sorted_indices[pos]), pos, total)
+
+
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, out: Tensor | None = None,
                            block_h: int | None = None) -> Tensor:
     """``out[t] = sum_{k<K} grad[sorted_indices[t*K + k]]`` (fp32, k order; rows >= A add nothing).
 
     Args:
         grad: (A, H), A <= T*K, float16 / bfloat16 / float32, any strides.
-        sorted_indices: (T*K,) int32 / int64, checked to lie in [0, T*K).
+        sorted_indices: (T*K,) int32 / int64; entries outside [0, T*K) are never read with and raise OpError
+            161002 (see :func:`._common.guard`).
         num_topk: K in [1, 512]. out: optional contiguous (T, H) tensor to write into.
         block_h: column block override (tests).
 
@@ -63,8 +74,13 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
         (T, H) contiguous in grad's dtype. No workspace.
     """
     rows, h = grad.shape
-    t = sorted_indices.numel() // num_topk
+    total = sorted_indices.numel()
+    t = total // num_topk
     out = outputs(out, [((t, h), grad.dtype)], grad.device)[0]
+    if total:
+        # The kernel reads only rows in [0, A); the flag reports entries outside [0, T*K) (no host sync on CUDA).
+        guard(((sorted_indices < 0) | (sorted_indices >= total)).any(),
+              lambda: _range_error(sorted_indices, total))
     if t == 0 or h == 0:
         return out
     block_t, block_h, warps = moe_blocks(h, block_h)

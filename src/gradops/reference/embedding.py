@@ -5,15 +5,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..contract.embedding import index_error
+
 
 def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool, compute: torch.dtype = torch.float32) -> Tensor:
     """``out[k] = sum_{i: idx[i] = k, k != padding_idx} grad[i] / (count[k] if scale_grad_by_freq else 1)``.
 
-    ``grad`` is (N, E); ``indices`` are N checked int64 row numbers in [0, num_weights). ``count`` counts every
-    occurrence, padding included. Sums run in ``compute`` in index order (``index_put_`` with accumulate is
+    ``grad`` is (N, E); ``indices`` are N int64 row numbers, refused (OpError 161002, nothing written) unless all
+    lie in [0, num_weights): a backend never trusts an index, even one its caller checked before (indices saved
+    for a backward can change in place through numpy or ``.data``). ``count`` counts every occurrence, padding
+    included. Sums run in ``compute`` in index order (``index_put_`` with accumulate is
     serial on the CPU, hence deterministic) and are cast once to grad's dtype.
     """
+    if indices.numel():
+        bad = (indices < 0) | (indices >= num_weights)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            raise index_error(int(indices[pos]), pos, num_weights)
     g = grad.to(compute)
     if scale_grad_by_freq:
         counts = torch.bincount(indices, minlength=num_weights).to(compute)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..contract.moe_permute import checked_sorted_indices
+
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """CANN's permute: ``first = argsort(flatten(indices), stable)``, ``sorted_indices = argsort(first)`` (the
@@ -24,9 +26,10 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int,
                            compute: torch.dtype = torch.float32) -> Tensor:
     """``out[t] = sum_{k < K} grad[sorted_indices[t*K + k]]``, summed in k order in ``compute``.
 
-    ``grad`` has A <= T*K rows; an entry ``>= A`` names a row the forward dropped and adds nothing. Indices
-    arrive checked to lie in [0, T*K).
+    ``grad`` has A <= T*K rows; an entry in ``[A, T*K)`` names a row the forward dropped and adds nothing. An
+    entry outside ``[0, T*K)`` is refused (OpError 161002), even if the caller checked it before.
     """
+    checked_sorted_indices(sorted_indices)
     rows, hidden = grad.shape
     idx = sorted_indices.long().view(-1, num_topk)
     # Gather from grad plus one zero row, so dropped rows read exact zeros (no 0 * inf = NaN from masking).
