@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -85,6 +86,44 @@ def test_forked_child_falls_back_to_torch_instead_of_terminating():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
+_THREADS_CHILD = """
+import threading, torch, gradops, numba
+torch.manual_seed(0)
+x, g, dy = torch.randn(128, 256), torch.randn(256), torch.randn(128, 256)
+idx = torch.randint(0, 50, (128,))
+def step():
+    y, r = gradops.rms_norm(x, g)
+    return (gradops.rms_norm_grad(dy, x, r, g)[0], gradops.hardswish_backward(dy, x),
+            gradops.layer_norm_backward(dy, x, *gradops.layer_norm(x, g, g, 1e-5)[1:2],
+                                        torch.rsqrt(gradops.layer_norm(x, g, g, 1e-5)[2] + 1e-5), g)[0],
+            gradops.embedding_dense_backward(dy, idx, 50))
+want = step()
+bad = []
+def work():
+    for _ in range(40):
+        if any(not torch.equal(a, b) for a, b in zip(step(), want)):
+            bad.append(1)
+threads = [threading.Thread(target=work) for _ in range(6)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(numba.threading_layer(), len(bad))
+"""
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "default"])
+def test_threads_calling_kernels_at_once_never_abort(layer):
+    """numba's workqueue layer (macOS, slim containers without libgomp, or chosen by the user) terminates the
+    process when two threads launch parallel kernels at once; gradops serialises launches under it. Six threads
+    x 40 steps of four ops in a child process: it must exit normally with every result bit-identical."""
+    env = {**os.environ, "GRADOPS_BACKEND": "cpu", "NUMBA_THREADING_LAYER": layer}
+    result = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, f"child ended with {result.returncode}: {result.stderr[-1500:]}"
+    used, mismatches = result.stdout.split()
+    assert mismatches == "0"
+    if layer == "workqueue":
+        assert used == "workqueue"
 
 
 def test_cache_dir_prefers_gradops_variable(monkeypatch, tmp_path):

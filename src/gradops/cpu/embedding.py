@@ -12,7 +12,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from ..contract.embedding import index_error
-from ._host import as_array, finish, fork_safe, output, scratch
+from ._host import as_array, finish, safe_entry, output, scratch
 from ._numeric import ld, st
 
 #: Table rows per parallel task: 64 rows x 1024 x 4 B = 256 KiB written per task.
@@ -96,7 +96,7 @@ def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: i
     return (num_weights + 1 + idx.numel()) * 8
 
 
-@fork_safe
+@safe_entry
 def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool, *, out: Tensor | None = None,
                              workspace: Tensor | None = None) -> Tensor:

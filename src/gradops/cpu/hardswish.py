@@ -12,7 +12,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from . import _pool
-from ._host import VIEW, fork_safe
+from ._host import VIEW, safe_entry
 from ._numeric import FASTMATH, ld, st
 
 #: Elements per parallel task: 64 Ki x 4 B = 256 KiB per input stream, large enough to amortize the task
@@ -95,7 +95,7 @@ def _layout(inputs: list[Tensor], out: Tensor | None) -> tuple[list[Tensor], Ten
     return inputs, torch.empty_like(ref)
 
 
-@fork_safe
+@safe_entry
 def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Hardswish of any shape and strides; result in x's dtype (and x's dense layout)."""
     (xs,), buf = _layout([x], out)
@@ -107,7 +107,7 @@ def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     return buf
 
 
-@fork_safe
+@safe_entry
 def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """aclnnHardswishBackward (closed interval [-3, 3]); a new tensor, or ``out`` filled."""
     (gs, xs), buf = _layout([grad_output, x], out)

@@ -12,7 +12,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ._host import as_array, finish, fork_safe, output, row_blocks, scratch
+from ._host import as_array, finish, safe_entry, output, row_blocks, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
 
@@ -170,7 +170,7 @@ def _outs(out, i):
     return out[i] if out else None
 
 
-@fork_safe
+@safe_entry
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
                out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(y[M,N] x.dtype, mean[M] fp32, variance[M] fp32)`` of the 2-D view x."""
@@ -187,7 +187,7 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
     return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
 
 
-@fork_safe
+@safe_entry
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float, *,
                     out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGrad on the 2-D views: ``(pdx, res_for_gamma)``, both in x's dtype."""
@@ -205,7 +205,7 @@ def layer_norm_grad_beta_workspace(res_for_gamma: Tensor, dy: Tensor) -> int:
     return 2 * row_blocks(dy.shape[0]) * dy.shape[1] * 4
 
 
-@fork_safe
+@safe_entry
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None,
                          workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGradBeta: ``(pd_gamma[N], pd_beta[N])`` in the inputs' dtype, fp32 sums in fixed order."""
@@ -226,7 +226,7 @@ def layer_norm_backward_workspace(dy: Tensor, x: Tensor, mean: Tensor, rstd: Ten
     return 2 * row_blocks(x.shape[0]) * x.shape[1] * 4
 
 
-@fork_safe
+@safe_entry
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                         out: tuple[Tensor, Tensor, Tensor] | None = None, workspace: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor]:

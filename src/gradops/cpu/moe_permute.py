@@ -10,7 +10,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from ..contract.moe_permute import sorted_index_error
-from ._host import as_array, finish, fork_safe, output
+from ._host import as_array, finish, safe_entry, output
 from ._numeric import ld, st
 
 #: Tokens per parallel task (fixed, so the work split never depends on the thread count).
@@ -101,7 +101,7 @@ def _permute_grad_kernel(grad, sorted_indices, topk, out):  # pragma: no cover -
                 st(out, (t, j), acc[j])
 
 
-@fork_safe
+@safe_entry
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *,
                            out: Tensor | None = None) -> Tensor:
     """aclnnMoeTokenPermuteGrad: ``grad[A,H]``, range-checked ``sorted_indices[T·K]`` -> ``out[T,H]`` (grad's dtype).

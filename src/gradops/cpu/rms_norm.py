@@ -11,7 +11,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ._host import as_array, finish, fork_safe, output, row_blocks, scratch
+from ._host import as_array, finish, safe_entry, output, row_blocks, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
 
@@ -93,7 +93,7 @@ def _rms_norm_grad_kernel(dy, x, rstd, gamma, dx, partial, dgamma):  # pragma: n
     fold_partials(partial, dgamma)
 
 
-@fork_safe
+@safe_entry
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor]:
     """``(y[M,N] x.dtype, rstd[M] fp32)`` of the 2-D view ``x``; ``out`` = preallocated ``(y, rstd)``."""
@@ -113,7 +113,7 @@ def rms_norm_grad_workspace(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) 
     return row_blocks(m) * n * 4
 
 
-@fork_safe
+@safe_entry
 def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tuple[Tensor, Tensor] | None = None,
                   workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """aclnnRmsNormGrad on the 2-D views: ``(dx[M,N] dy.dtype, dgamma[N] fp32)`` (formula: the kernel above).
