@@ -130,6 +130,21 @@ CASES = [
     ("moeg-too-many-rows", "moe_token_permute_grad", (t(5, 3), i32(0, 1, 2, 3), 2), {}, INVALID, "permuted_output_grad.shape"),
     ("moeg-index-too-big", "moe_token_permute_grad", (t(4, 3), i32(0, 1, 2, 4), 2), {}, INVALID, "sorted_indices"),
     ("moeg-index-negative", "moe_token_permute_grad", (t(4, 3), i32(0, -1, 2, 3), 2), {}, INVALID, "sorted_indices"),
+    # ---- issue 15.3: inputs that used to reach torch or Python internals (RuntimeError, NotImplementedError,
+    # OverflowError) before any check named them
+    ("sparse-x", "rms_norm", (LX.to_sparse(), LG), {}, INVALID, "x.layout"),
+    ("sparse-grad-output", "hardswish_backward", (LX.to_sparse(), LX), {}, INVALID, "gradOutput.layout"),
+    ("sparse-self", "hardswish", (LX.to_sparse(),), {}, INVALID, "self.layout"),
+    ("sparse-indices", "embedding_dense_backward", (t(4, 3), torch.tensor([1, 2, 3, 0]).to_sparse(), 5), {},
+     INVALID, "indices.layout"),
+    ("csr-gamma", "layer_norm", (LX, t(2, 4).to_sparse_csr(), LG, 1e-5), {}, INVALID, "gamma.layout"),
+    ("rms-eps-overflow", "rms_norm", (LX, LG, 10**400), {}, INVALID, "epsilon"),
+    ("ln-eps-overflow", "layer_norm", (LX, LG, LG, -(10**400)), {}, INVALID, "epsilon"),
+    ("lng-eps-overflow", "layer_norm_grad", (LX, LX, t(3, 1), t(3, 1), LG, 10**400), {}, INVALID, "epsilon"),
+    ("out-expanded", "hardswish", (LX,), {"out": t(8).expand(3, 8)}, INVALID, "out"),
+    ("out-interleaved", "hardswish_backward", (LX, LX), {"out": torch.empty(40).as_strided((3, 8), (1, 1))},
+     INVALID, "out"),
+    ("out-tuple-expanded", "rms_norm", (LX, LG), {"out": (t(8).expand(3, 8), t(3, 1))}, INVALID, "out[0]"),
 ]
 
 
@@ -157,3 +172,30 @@ def test_every_op_has_error_cases():
     assert covered == {"embedding", "rms_norm_grad", "rms_norm", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta",
                        "layer_norm_backward", "hardswish", "hardswish_backward", "embedding_dense_backward",
                        "moe_token_permute", "moe_token_permute_grad"}
+
+
+def test_nothing_written_when_a_later_out_is_refused(backend):
+    """The out= tensors are all checked before any kernel runs: out[0] keeps its values when out[1] is refused."""
+    y = torch.full((3, 8), 7.0)
+    with pytest.raises(gradops.OpError):
+        gradops.rms_norm(LX + 1, LG + 1, out=(y, t(1).expand(3, 1)))
+    assert bool((y == 7.0).all())
+
+
+def test_zero_epsilon_on_empty_rows_is_inf_not_an_exception(backend):
+    """rms_norm of rows with no columns and epsilon 0: rstd = rsqrt(0 + 0) = inf on every backend (the CPU
+    backend raised ZeroDivisionError)."""
+    y, rstd = gradops.rms_norm(t(4, 0), t(0), 0)
+    assert y.shape == (4, 0) and bool(torch.isinf(rstd).all())
+    mean_var = gradops.layer_norm(t(4, 0), t(0), t(0), 0)
+    assert mean_var[0].shape == (4, 0)
+
+
+def test_interleaved_but_disjoint_out_is_accepted():
+    """The overlap test is exact: strides (3, 2) over (2, 3) reach offsets 0 2 4 3 5 7, all distinct."""
+    from gradops.contract._common import overlaps_itself
+
+    disjoint = torch.empty(8).as_strided((2, 3), (3, 2))
+    assert not overlaps_itself(disjoint)
+    assert overlaps_itself(torch.empty(8).as_strided((2, 3), (2, 1)))  # offsets 0 1 2 2 3 4
+    assert not overlaps_itself(torch.empty(3, 4).t())

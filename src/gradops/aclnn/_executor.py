@@ -8,7 +8,8 @@ bad arguments: both return a status, and :func:`aclGetRecentErrMsg` gives the me
 
 Status choices where CANN leaves the behaviour undefined (a C caller gets memory corruption, not a code):
 
-- an out tensor that is a broadcast view (a stride 0 over more than one element): 161002 from phase 1.
+- an out tensor whose elements share memory (a broadcast view with stride 0, or interleaved strides): 161002
+  from phase 1.
 - executor ``None``: 161001; an executor already run (not repeatable), destroyed, or made by another op: 161002.
 - ``stream`` not ``None`` and not a ``torch.cuda.Stream`` on the tensors' device: 161002.
 - workspace needed (size > 0) but ``workspace`` is ``None``: 161001. ``workspaceSize`` smaller than phase 1
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import backend
+from ..contract._common import overlaps_itself
 from ..status import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
@@ -135,14 +137,14 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
         size_args: the positional args the implementation will receive (stand-ins with the right metadata where
             the real ones depend on data, e.g. converted indices), passed to the workspace hook.
         compute: called at run time as ``compute(impl, {"workspace": slice})`` (``{}`` without a hook).
-        outs: the out tensors by name: refused (161002) when a broadcast view (stride 0) cannot hold one value
-            per element.
+        outs: the out tensors by name: refused (161002) when two elements share memory (a broadcast or
+            interleaved view cannot hold one value per element).
 
     Returns:
         ``(status, workspace_size, executor)``.
     """
     for name, t in outs.items():
-        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        if overlaps_itself(t):
             return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} must have one memory location per element, got "
                            f"strides {tuple(t.stride())} for shape {tuple(t.shape)}"), 0, None
     try:

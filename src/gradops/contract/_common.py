@@ -48,6 +48,9 @@ def require_present(op: str, **tensors: object) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a torch.Tensor", type(t).__name__)
+        if t.layout != torch.strided:  # sparse / mkldnn: no strides to read, and no kernel here reads them
+            raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.layout", "a dense (strided) tensor",
+                       str(t.layout).removeprefix("torch."))
 
 
 def require_dtype(op: str, name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
@@ -108,6 +111,46 @@ def require_int(op: str, name: str, value: object, lo: int | None = None, hi: in
     if value < lo or value > hi:
         raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"an int in [{lo}, {hi}]", str(value))
     return value
+
+
+def require_float(op: str, name: str, value: object) -> float:
+    """A Python float or int (not a bool) that a float64 can hold: ``10**400`` would overflow in the kernels'
+    conversion (OverflowError) instead of being refused here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a float", type(value).__name__)
+    try:
+        return float(value)
+    except OverflowError:
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a float (within float64's range)",
+                   f"an int of {value.bit_length()} bits") from None
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share a memory location (a broadcast view with stride 0, or strides that
+    interleave), so that a result written into it would lose values. Exact: a quick sufficient test on the
+    strides sorted ascending (each must step past everything the smaller ones reach), and, for the rare layouts
+    it cannot clear, a count of distinct offsets (bounded: larger ones of that kind count as overlapping)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    reach = 0  # the largest offset the dims so far reach
+    for st, sz in dims:
+        if st <= reach:
+            break
+        reach += st * (sz - 1)
+    else:
+        return False
+    if any(st == 0 for st, _ in dims) or t.numel() > 1 << 22:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, sz in dims:
+        offsets = (offsets[..., None] + torch.arange(sz) * st)
+    return int(offsets.unique().numel()) != t.numel()
+
+
+def require_writable(op: str, name: str, t: torch.Tensor) -> None:
+    """161002 for an output whose elements share memory (see :func:`overlaps_itself`)."""
+    if overlaps_itself(t):
+        raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a tensor with one memory location per element",
+                   f"strides {tuple(t.stride())} for shape {shape_text(t.shape)}")
 
 
 def numel(shape: Sequence[int]) -> int:

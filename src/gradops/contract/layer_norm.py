@@ -14,6 +14,7 @@ import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ._common import (
+    require_float,
     FLOATS,
     MAX_RANK,
     dtype_name,
@@ -67,8 +68,7 @@ def check_layer_norm(x, gamma, beta, epsilon: float = 1e-5) -> LayerNormPlan:
     """Validate ``layer_norm(x, gamma, beta, epsilon)`` (normalised over the last dim)."""
     op = "layer_norm"
     require_present(op, x=x, gamma=gamma, beta=beta)
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
-        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_float(op, "epsilon", epsilon)
     require_same_device(op, x=x, gamma=gamma, beta=beta)
     plan = _check_x(op, x, False)
     _check_param_dtype(op, "gamma", gamma, x, False)
@@ -82,8 +82,7 @@ def check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon: float = 1e-5, *
     """Validate ``layer_norm_grad(dy, x, variance, mean, gamma, epsilon)`` (AscendC LayerNormGrad)."""
     op = "layer_norm_grad"
     require_present(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
-        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_float(op, "epsilon", epsilon)
     require_same_device(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
     plan = _check_x(op, x, cann)
     require_same_dtype(op, "dy", dy, "x", x)

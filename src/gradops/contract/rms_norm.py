@@ -13,6 +13,7 @@ import torch
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ._common import (
+    require_float,
     FLOATS,
     MAX_RANK,
     dtype_name,
@@ -67,8 +68,7 @@ def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: 
     op = "rms_norm"
     outs = {"yOut": y, "rstdOut": rstd} if cann else {}
     require_present(op, x=x, gamma=gamma, **outs)
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
-        raise fail(INVALID, op, "epsilon", "a float", type(epsilon).__name__)
+    require_float(op, "epsilon", epsilon)
     require_same_device(op, x=x, gamma=gamma, **outs)
     require_dtype(op, "x", x, FLOATS)
     _check_gamma_dtype(op, x, gamma)

@@ -103,7 +103,8 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
     if m and n:
         _rms_norm_kernel(as_array(x), as_array(gamma), np.float32(epsilon), as_array(y), as_array(rstd))
     elif m:
-        rstd.fill_(float(np.float32(epsilon)) ** -0.5)
+        # rows of no columns: rsqrt(0 + eps), inf when eps = 0 (as the reference), never a ZeroDivisionError
+        rstd.fill_(torch.tensor(epsilon, dtype=torch.float32).rsqrt().item())
     return finish(y, out[0] if out else None), finish(rstd, out[1] if out else None)
 
 

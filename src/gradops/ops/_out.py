@@ -7,7 +7,8 @@ torch.compile), through the same validation table and backend choice as the op.
 
 Rules (checked before any kernel runs; violations raise OpError 161002 naming the out tensor):
 one tensor per result (a tuple for tuple results), each of the documented shape and dtype, on the inputs'
-device, not overlapping any input or another out. Any strides: a non-contiguous out is filled by a copy.
+device, one memory location per element (no broadcast or interleaved strides), not overlapping any input or
+another out. Any strides: a non-contiguous out is filled by a copy.
 Forward ops refuse ``out=`` when autograd would record them (as torch's ``out=`` functions do).
 """
 
@@ -20,7 +21,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from ..contract._common import dtype_name, fail, shape_text
+from ..contract._common import dtype_name, fail, require_writable, shape_text
 from ..status import ACLNN_ERR_PARAM_INVALID
 
 Spec = tuple[Sequence[int], torch.dtype]
@@ -59,6 +60,7 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.dtype", dtype_name(dtype), dtype_name(t.dtype))
         if t.device != device:
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.device", str(device), str(t.device))
+        require_writable(op, name, t)
         for arg, x in inputs.items():
             if x is not None and _overlap(t, x):
                 raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"memory not shared with the input {arg}",
