@@ -15,8 +15,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     ``grad`` is (N, E); ``indices`` are N int64 row numbers, refused (OpError 161002, nothing written) unless all
     lie in [0, num_weights): a backend never trusts an index, even one its caller checked before (indices saved
     for a backward can change in place through numpy or ``.data``). ``count`` counts every occurrence, padding
-    included. Sums run in ``compute`` in index order (``index_put_`` with accumulate is
-    serial on the CPU, hence deterministic) and are cast once to grad's dtype.
+    included. Sums run in ``compute`` in index order (deterministic on the CPU; on
+    CUDA, where this reference runs only without Triton, ``index_add_`` uses atomics unless
+    ``torch.use_deterministic_algorithms`` is on) and are cast once to grad's dtype.
     """
     if indices.numel():
         bad = (indices < 0) | (indices >= num_weights)
@@ -31,5 +32,8 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         keep = indices != padding_idx
         g, indices = g[keep], indices[keep]
     out = torch.zeros(num_weights, grad.shape[-1], dtype=compute, device=grad.device)
-    out.index_put_((indices,), g, accumulate=True)
+    # index_add_, not index_put_(accumulate=True): on the CPU the latter runs in parallel for large inputs and its
+    # sums change bits from run to run (found by the fuzz tier at 8 x 4097 into one row); index_add_ adds the rows
+    # one index after another, so each element is summed in index order, every run.
+    out.index_add_(0, indices, g)
     return out.to(grad.dtype)
