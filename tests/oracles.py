@@ -158,22 +158,22 @@ def _hardswish_backward_terms(grad_output, x):
     return float(terms.max()) if terms.numel() else 0.0
 
 
-def _layer_norm_dx_terms(dy, x, mean, rstd, gamma, *rest):
+def _layer_norm_dx_terms(dy, x, mean, rstd, gamma):
     """dx sums terms of size ``rstd * |dy * gamma|`` that cancel exactly at N = 1 and N = 2 (x - mean = +-sigma):
-    its float32 error is a few u32 of them (found by the fuzz tier at N = 2). ``layer_norm_grad`` passes
-    (variance, mean, ..., epsilon) in the places of (mean, rstd): its rstd is derived from the variance."""
-    if rest:  # layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
-        rs = (mean.to(F64) + rest[0]) ** -0.5
-    else:
-        rs = rstd.to(F64)
-    terms = dy.to(F64).abs() * gamma.to(F64).abs() * rs.reshape(*x.shape[:-1], 1)
+    its float32 error is a few u32 of them (found by the fuzz tier at N = 2)."""
+    terms = dy.to(F64).abs() * gamma.to(F64).abs() * rstd.to(F64).reshape(*x.shape[:-1], 1)
     terms = terms[torch.isfinite(terms)]
     return float(terms.max()) if terms.numel() else 0.0
 
 
+def _layer_norm_grad_dx_terms(dy, x, variance, mean, gamma, epsilon=1e-5):
+    """``_layer_norm_dx_terms`` for AscendC's argument order: rstd derived from the variance."""
+    return _layer_norm_dx_terms(dy, x, mean, (variance.to(F64) + epsilon) ** -0.5, gamma)
+
+
 #: Ops whose first output's rounding error scales with the size of its terms rather than of its value.
 _TERM_SCALES = {"hardswish_backward": _hardswish_backward_terms, "layer_norm_backward": _layer_norm_dx_terms,
-                "layer_norm_grad": _layer_norm_dx_terms}
+                "layer_norm_grad": _layer_norm_grad_dx_terms}
 
 
 def oracle(op: str, *args, **kwargs) -> tuple[Tensor, ...]:
