@@ -3,13 +3,19 @@
 ``GRADOPS_BACKEND`` (read at each call, so tests and users can switch at run time):
 
 - ``auto`` (default): CUDA tensors -> ``triton``; CPU tensors -> ``cpu`` (compiled CPU kernels); whichever is
-  missing -> ``torch``.
+  missing or cannot run here -> ``torch``.
 - ``torch``: the pure-torch reference on any device.
 - ``triton``: the Triton kernels; on CPU tensors only with ``TRITON_INTERPRET=1`` (the interpreter, for tests).
 - ``cpu``: the compiled CPU kernels (needs numba).
 
-A backend that does not implement an op leaves it to ``torch``; a backend asked for by name that cannot run
-on the device raises, so a typo or a missing dependency never passes silently.
+A backend that does not implement an op leaves that op to ``torch`` (documented per op in ``gradops env``). A
+backend asked for by name that cannot run - not installed, its import failing, the wrong device - raises
+:class:`BackendUnavailable` saying why: a typo or a missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
+
+:func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
+``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,
+where deciding afresh costs ~4 µs of import-system queries). A remembered choice is dropped when the backend
+module it was made with is no longer the one loaded, and in a forked child.
 """
 
 from __future__ import annotations
@@ -17,16 +23,52 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
+
+from .status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR, OpError
 
 ENV = "GRADOPS_BACKEND"
 #: backend name -> module whose functions carry the op names (``rms_norm_grad``, ...).
 MODULES = {"torch": "gradops.reference", "triton": "gradops.launch", "cpu": "gradops.cpu"}
 CHOICES = ("auto", *MODULES)
+_FIRST = {"cuda": "triton", "cpu": "cpu"}  # auto's first choice per device type
+
+
+class BackendUnavailable(OpError, RuntimeError):
+    """A backend named in ``GRADOPS_BACKEND`` cannot run this op here (561003, ACLNN_ERR_INNER_FIND_KERNEL_ERROR).
+    Also a RuntimeError: it is the environment, not an argument, that is wrong."""
+
+    def __init__(self, op: str, name: str, why: str) -> None:
+        super().__init__(ACLNN_ERR_INNER_FIND_KERNEL_ERROR, op, ENV, f"a backend that can run here ({why})",
+                         name)
+        self.args = (f"{ENV}={name}: {why} [{op}]",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return (_unavailable, (self.op, self.given, self.args[0]))
+
+
+def _unavailable(op: str, name: str, message: str) -> BackendUnavailable:
+    err = BackendUnavailable(op, name, "")
+    err.args = (message,)
+    return err
+
+
+class Choice(NamedTuple):
+    """What :func:`decide` answers: the backend's name, its function for the op, and its workspace hook
+    (``<op>_workspace`` on the backend module: same positional args, returns bytes) or None."""
+
+    name: str
+    fn: Callable
+    workspace: Callable | None
 
 
 def requested() -> str:
@@ -60,31 +102,75 @@ def usable(name: str, device: torch.device) -> tuple[bool, str]:
     return False, f"unknown backend {name!r}"
 
 
+_import_errors: dict[str, str] = {}
+
+
 @cache
 def _module(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(MODULES[name])
-    except ImportError:
+    except ImportError as e:
+        _import_errors[name] = f"importing {MODULES[name]} failed: {e}"
         return None
 
 
-def candidates(device: torch.device) -> list[str]:
-    """Backends to try for ``device``, best first, ending with ``torch``."""
+def _choice(op: str, name: str) -> Choice | None:
+    module = _module(name)
+    fn = getattr(module, op, None) if module is not None else None
+    return Choice(name, fn, getattr(module, f"{op}_workspace", None)) if fn is not None else None
+
+
+def decide(op: str, device: torch.device) -> Choice:
+    """The backend that runs ``op`` for tensors on ``device`` (see the module docstring for the rules).
+
+    Raises:
+        ValueError: ``GRADOPS_BACKEND`` names no backend.
+        BackendUnavailable: the backend it names cannot run here.
+    """
     name = requested()
     if name == "auto":
-        first = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
-        return [first, "torch"] if first and usable(first, device)[0] else ["torch"]
+        first = _FIRST.get(device.type)
+        chosen = _choice(op, first) if first and usable(first, device)[0] else None
+        return chosen or _choice(op, "torch")
     ok, why = usable(name, device)
     if not ok:
-        raise RuntimeError(f"{ENV}={name}: {why}")
-    return [name, "torch"] if name != "torch" else ["torch"]
+        raise BackendUnavailable(op, name, why)
+    if name != "torch" and _module(name) is None:
+        raise BackendUnavailable(op, name, _import_errors.get(name, f"importing {MODULES[name]} failed"))
+    return _choice(op, name) or _choice(op, "torch")  # an op the backend lacks is the reference's (documented)
 
 
 def select(op: str, device: torch.device) -> tuple[str, Callable]:
-    """``(backend name, implementation)`` of ``op`` for tensors on ``device``."""
-    for name in candidates(device):
-        module = _module(name)
-        fn = getattr(module, op, None) if module is not None else None
-        if fn is not None:
-            return name, fn
-    raise RuntimeError(f"no implementation of {op} for {device}")  # unreachable: torch implements every op
+    """``(backend name, implementation)`` of ``op`` for tensors on ``device`` (decided afresh)."""
+    chosen = decide(op, device)
+    return chosen.name, chosen.fn
+
+
+_chosen: dict[tuple, tuple[Choice, str, ModuleType | None]] = {}
+def choose(op: str, device: torch.device) -> Choice:
+    """:func:`decide`, remembered (see the module docstring).
+
+    A remembered choice holds while the module of the backend it was decided for (the one named, or auto's first
+    choice for the device) is the one in ``sys.modules``: removing or reloading it, as a test of the fallback does,
+    or importing it after an auto fallback, decides again.
+    """
+    env = os.environ
+    key = (env.get(ENV), env.get("TRITON_INTERPRET"), device.type, op)
+    hit = _chosen.get(key)
+    if hit is not None and sys.modules.get(hit[1]) is hit[2]:
+        return hit[0]
+    chosen = decide(op, device)
+    wanted = requested()
+    token = MODULES.get(_FIRST.get(device.type, "torch") if wanted == "auto" else wanted, MODULES["torch"])
+    _chosen[key] = (chosen, token, sys.modules.get(token))
+    return chosen
+
+
+def forget() -> None:
+    """Drop remembered choices and imported backend modules (after installing or removing a dependency)."""
+    _chosen.clear()
+    _module.cache_clear()
+    _import_errors.clear()
+
+
+os.register_at_fork(after_in_child=_chosen.clear)

@@ -1,7 +1,7 @@
 """torch.library operators (namespace ``gradops``) and the public functions that call them.
 
 Each op body is that op's single dispatch point: validate (the contract), pick a backend
-(:func:`gradops.backend.select`), reshape to the backend's 2-D view, run.
+(:func:`gradops.backend.choose`), reshape to the backend's 2-D view, run.
 """
 
 from .embedding import embedding, embedding_dense_backward

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..backend import select
+from ..backend import choose
 from ..contract.embedding import (
     check_embedding,
     check_embedding_dense_backward,
@@ -25,7 +25,7 @@ def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: i
 
 def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
     """The backend on (N, E) grad and flat int64 indices in the table."""
-    _, impl = select("embedding_dense_backward", grad.device)
+    impl = choose("embedding_dense_backward", grad.device).fn
     return own(impl(grad, idx, num_weights, padding_idx, scale_grad_by_freq))
 
 
@@ -67,7 +67,7 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         outs = check_out("embedding_dense_backward", out, [((num_weights, grad.shape[-1]), grad.dtype)], grad.device,
                          grad=grad, indices=indices)
         idx = checked_indices(indices, num_weights)
-        _, impl = select("embedding_dense_backward", grad.device)
+        impl = choose("embedding_dense_backward", grad.device).fn
         args = (grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq)
         return run_into(impl, args, outs, [None])[0]
     return _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)

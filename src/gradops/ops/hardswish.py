@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import select
+from ..backend import choose
 from ..contract.hardswish import check_hardswish, check_hardswish_backward
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
@@ -13,7 +13,7 @@ from ._out import check_out, refuse_autograd, run_into
 
 def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
     check_hardswish_backward(grad_output, self)
-    _, impl = select("hardswish_backward", self.device)
+    impl = choose("hardswish_backward", self.device).fn
     return own(impl(grad_output, self))
 
 
@@ -28,7 +28,7 @@ def _(grad_output, self):
 
 def _hardswish_body(self: Tensor) -> Tensor:
     check_hardswish(self)
-    _, impl = select("hardswish", self.device)
+    impl = choose("hardswish", self.device).fn
     return own(impl(self))
 
 
@@ -61,7 +61,7 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
         check_hardswish(self)
         refuse_autograd("hardswish", self)
         outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
-        return run_into(select("hardswish", self.device)[1], (self,), outs, [None])[0]
+        return run_into(choose("hardswish", self.device).fn, (self,), outs, [None])[0]
     return _hardswish(self, check=check_hardswish)
 
 
@@ -82,5 +82,5 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
         check_hardswish_backward(grad_output, self)
         outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, gradOutput=grad_output,
                          self=self)
-        return run_into(select("hardswish_backward", self.device)[1], (grad_output, self), outs, [None])[0]
+        return run_into(choose("hardswish_backward", self.device).fn, (grad_output, self), outs, [None])[0]
     return _hardswish_backward(grad_output, self, check=check_hardswish_backward)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import select
+from ..backend import choose
 from ..contract.layer_norm import (
     check_layer_norm,
     check_layer_norm_backward,
@@ -18,7 +18,7 @@ from ._out import check_out, refuse_autograd, run_into
 
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm(x, gamma, beta, epsilon)
-    _, impl = select("layer_norm", x.device)
+    impl = choose("layer_norm", x.device).fn
     y, mean, var = impl(x.reshape(rows, cols), gamma, beta, epsilon)
     return own(y.view(x.shape), mean.view(x.shape[:-1]), var.view(x.shape[:-1]))
 
@@ -36,7 +36,7 @@ def _(x, gamma, beta, epsilon):
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                           epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
-    _, impl = select("layer_norm_grad", x.device)
+    impl = choose("layer_norm_grad", x.device).fn
     pdx, res = impl(dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows),
                     gamma, epsilon)
     return own(pdx.view(x.shape), res.view(x.shape))
@@ -53,7 +53,7 @@ def _(dy, x, variance, mean, gamma, epsilon):
 
 def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
-    _, impl = select("layer_norm_grad_beta", dy.device)
+    impl = choose("layer_norm_grad_beta", dy.device).fn
     return own(*impl(res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols)))
 
 
@@ -69,7 +69,7 @@ def _(res_for_gamma, dy):
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                               gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
-    _, impl = select("layer_norm_backward", x.device)
+    impl = choose("layer_norm_backward", x.device).fn
     dx, dgamma, dbeta = impl(dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
                              gamma)
     return own(dx.view(x.shape), dgamma, dbeta)
@@ -117,7 +117,7 @@ _layer_norm.register_autograd(_backward, setup_context=_setup)
 def _into(op: str, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
     """The ``out=`` path of every op here: validate out, pick the backend, write (see :mod:`gradops.ops._out`)."""
     outs = check_out(op, out, specs, device, **inputs)
-    _, impl = select(op, device)
+    impl = choose(op, device).fn
     return run_into(impl, args, outs, shapes)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import select
+from ..backend import choose
 from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
@@ -19,7 +19,7 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
 
 def _run_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int) -> Tensor:
     """The backend on indices known to lie in [0, T*K)."""
-    _, impl = select("moe_token_permute_grad", permuted_output_grad.device)
+    impl = choose("moe_token_permute_grad", permuted_output_grad.device).fn
     return own(impl(permuted_output_grad, sorted_indices, num_topk))
 
 
@@ -35,7 +35,7 @@ def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
 def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                             padded_mode: bool) -> tuple[Tensor, Tensor]:
     plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
-    _, impl = select("moe_token_permute", tokens.device)
+    impl = choose("moe_token_permute", tokens.device).fn
     return own(*impl(tokens, indices, plan.rows))
 
 
@@ -94,7 +94,7 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         refuse_autograd("moe_token_permute", tokens)
         specs = [((plan.rows, plan.hidden), tokens.dtype), ((plan.tokens * plan.topk,), torch.int32)]
         outs = check_out("moe_token_permute", out, specs, tokens.device, tokens=tokens, indices=indices)
-        return run_into(select("moe_token_permute", tokens.device)[1], (tokens, indices, plan.rows), outs, [None, None])
+        return run_into(choose("moe_token_permute", tokens.device).fn, (tokens, indices, plan.rows), outs, [None, None])
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode, check=check_moe_token_permute)
 
 
@@ -120,7 +120,7 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
                          permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
         checked_sorted_indices(sorted_indices)
-        impl = select("moe_token_permute_grad", permuted_output_grad.device)[1]
+        impl = choose("moe_token_permute_grad", permuted_output_grad.device).fn
         return run_into(impl, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
                                    check=check_moe_token_permute_grad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import select
+from ..backend import choose
 from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
@@ -13,7 +13,7 @@ from ._out import check_out, refuse_autograd, run_into
 
 def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
-    _, impl = select("rms_norm_grad", x.device)
+    impl = choose("rms_norm_grad", x.device).fn
     dx, dgamma = impl(dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
     return own(dx.view(x.shape), dgamma.view(gamma.shape))
 
@@ -29,7 +29,7 @@ def _(dy, x, rstd, gamma):
 
 def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
-    _, impl = select("rms_norm", x.device)
+    impl = choose("rms_norm", x.device).fn
     y, rstd = impl(x.reshape(rows, cols), gamma.reshape(cols), epsilon)
     return own(y.view(x.shape), rstd.view(rstd_shape))
 
@@ -67,7 +67,7 @@ def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tenso
     rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
     refuse_autograd("rms_norm", x, gamma)
     outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, torch.float32)], x.device, x=x, gamma=gamma)
-    _, impl = select("rms_norm", x.device)
+    impl = choose("rms_norm", x.device).fn
     return run_into(impl, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
 
 
@@ -75,7 +75,7 @@ def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out)
     rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
     outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, torch.float32)], x.device,
                      dy=dy, x=x, rstd=rstd, gamma=gamma)
-    _, impl = select("rms_norm_grad", x.device)
+    impl = choose("rms_norm_grad", x.device).fn
     args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
     return run_into(impl, args, outs, [(rows, cols), (cols,)])
 
