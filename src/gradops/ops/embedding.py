@@ -5,15 +5,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..backend import choose
-from ..contract.embedding import (
-    check_embedding,
-    check_embedding_dense_backward,
-    checked_indices,
-    flat_indices,
-    no_padding_outside_table,
-)
+from ..contract import embedding as contract
+from ..contract._memo import remembered
+from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, run_into
+
+# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
+# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+check_embedding = remembered(contract.check_embedding)
+check_embedding_dense_backward = remembered(contract.check_embedding_dense_backward)
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,

@@ -6,9 +6,15 @@ import torch
 from torch import Tensor
 
 from ..backend import choose
-from ..contract.hardswish import check_hardswish, check_hardswish_backward
+from ..contract import hardswish as contract
+from ..contract._memo import remembered
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
+
+# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
+# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+check_hardswish = remembered(contract.check_hardswish)
+check_hardswish_backward = remembered(contract.check_hardswish_backward)
 
 
 def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:

@@ -6,14 +6,17 @@ import torch
 from torch import Tensor
 
 from ..backend import choose
-from ..contract.layer_norm import (
-    check_layer_norm,
-    check_layer_norm_backward,
-    check_layer_norm_grad,
-    check_layer_norm_grad_beta,
-)
+from ..contract import layer_norm as contract
+from ..contract._memo import remembered
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
+
+# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
+# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+check_layer_norm = remembered(contract.check_layer_norm)
+check_layer_norm_backward = remembered(contract.check_layer_norm_backward)
+check_layer_norm_grad = remembered(contract.check_layer_norm_grad)
+check_layer_norm_grad_beta = remembered(contract.check_layer_norm_grad_beta)
 
 
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:

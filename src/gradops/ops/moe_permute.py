@@ -6,9 +6,16 @@ import torch
 from torch import Tensor
 
 from ..backend import choose
-from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
+from ..contract import moe_permute as contract
+from ..contract._memo import remembered
+from ..contract.moe_permute import checked_sorted_indices
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
+
+# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
+# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+check_moe_token_permute = remembered(contract.check_moe_token_permute)
+check_moe_token_permute_grad = remembered(contract.check_moe_token_permute_grad)
 
 
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,

@@ -6,9 +6,15 @@ import torch
 from torch import Tensor
 
 from ..backend import choose
-from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
+from ..contract import rms_norm as contract
+from ..contract._memo import remembered
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
+
+# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
+# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+check_rms_norm = remembered(contract.check_rms_norm)
+check_rms_norm_grad = remembered(contract.check_rms_norm_grad)
 
 
 def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:

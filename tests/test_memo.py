@@ -1,0 +1,107 @@
+"""contract/_memo.py: a remembered check answers as the check does, and refusals are never remembered."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import gradops
+from gradops.contract import rms_norm as contract
+from gradops.contract.hardswish import check_hardswish
+from gradops.contract._memo import LIMIT, remembered
+from gradops.status import OpError
+
+rms_ops = importlib.import_module("gradops.ops.rms_norm")
+
+
+def counted(check):
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return check(*args)
+
+    return remembered(counting), calls
+
+
+def test_a_plan_is_computed_once_per_metadata_and_equals_the_checks():
+    check, calls = counted(contract.check_rms_norm_grad)
+    x, g = torch.randn(6, 4, 8), torch.randn(8)
+    rstd = torch.rand(6, 4, 1)
+    first = check(x, x, rstd, g)
+    assert first == contract.check_rms_norm_grad(x, x, rstd, g) == (24, 8, (6, 4, 1))
+    # other tensors of the same metadata (values, strides and storage do not enter a check): remembered
+    assert check(torch.randn(6, 4, 8), x.transpose(0, 1).contiguous().transpose(0, 1).contiguous(), rstd.clone(),
+                 g * 2) is first
+    assert len(calls) == 1
+    with pytest.raises(OpError):  # another dtype (a refusal): computed
+        check(x.double(), x.double(), rstd, g.double())
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "scalar type", "scalar value", "device"])
+def test_metadata_the_check_reads_is_in_the_key(change):
+    check, calls = counted(contract.check_rms_norm)
+    x, g = torch.randn(4, 8), torch.randn(8)
+    check(x, g, 1e-6)
+    other = {
+        "shape": (torch.randn(5, 8), g, 1e-6),
+        "dtype": (x.half(), g, 1e-6),
+        "scalar type": (x, g, 1),  # int 1 == 1.0 == True as dict keys; the type keeps them apart
+        "scalar value": (x, g, 1e-5),
+        "device": (x.to("meta"), g.to("meta"), 1e-6),
+    }[change]
+    try:
+        check(*other)
+    except OpError:
+        pass
+    assert len(calls) == 2
+
+
+def test_refusals_are_raised_afresh_each_time():
+    check, calls = counted(contract.check_rms_norm)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with pytest.raises(OpError, match="gamma"):
+            check(x, torch.randn(7), 1e-6)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("arg", [torch.randn(4, 8).to_sparse(), [4, 8], object()], ids=["sparse", "list", "object"])
+def test_arguments_the_key_cannot_describe_are_checked_every_time(arg):
+    check, calls = counted(lambda a, b: None)
+    for _ in range(2):
+        check(arg, torch.randn(8))
+    assert len(calls) == 2
+
+
+def test_a_subclass_is_checked_every_time():
+    class Sub(torch.Tensor):
+        pass
+
+    check, calls = counted(contract.check_rms_norm)
+    x = torch.randn(4, 8).as_subclass(Sub)
+    for _ in range(2):
+        check(x, torch.randn(8), 1e-6)
+    assert len(calls) == 2
+
+
+def test_the_table_is_bounded():
+    check, calls = counted(check_hardswish)
+    for n in range(LIMIT + 10):
+        check(torch.empty(n))
+    check(torch.empty(LIMIT + 9))  # still there after the table started over
+    assert len(calls) == LIMIT + 10
+
+
+def test_the_public_functions_use_the_remembered_check_and_still_refuse():
+    x, g = torch.randn(4, 8), torch.randn(8)
+    y, rstd = gradops.rms_norm(x, g)
+    gradops.rms_norm_grad(y, x, rstd, g)
+    with pytest.raises(OpError, match="rstd"):
+        gradops.rms_norm_grad(y, x, rstd.double(), g)
+    with pytest.raises(OpError, match="rstd"):  # the same refusal again: checked again
+        gradops.rms_norm_grad(y, x, rstd.double(), g)
+    assert hasattr(rms_ops.check_rms_norm_grad, "forget")
