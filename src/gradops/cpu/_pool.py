@@ -79,10 +79,12 @@ def free_bytes() -> int:
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     """An uninitialized contiguous CPU tensor, from a recycled block when one of the exact size is free."""
-    shape = tuple(int(s) for s in shape)
-    nbytes = math.prod(shape) * dtype.itemsize  # math.prod: exact, and 0.2 µs where np.prod takes 3 µs
+    # Small outputs first (most calls of a small model): one product, no environment read (math.prod: exact,
+    # and 0.2 µs where np.prod takes 3 µs).
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or dtype not in _VIEW or limit_bytes() <= 0:
         return torch.empty(shape, dtype=dtype)
+    shape = tuple(int(s) for s in shape)
     block = _take(nbytes)
     if block is None:
         block = np.empty(nbytes, dtype=np.uint8)

@@ -12,7 +12,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from . import _pool
-from ._host import VIEW, safe_entry
+from ._host import as_array, safe_entry
 from ._numeric import FASTMATH, ld, st
 
 #: Elements per parallel task: 64 Ki x 4 B = 256 KiB per input stream, large enough to amortize the task
@@ -64,9 +64,9 @@ def _hardswish_backward_kernel(g, x, out):  # pragma: no cover - compiled
 
 def _flat(t: Tensor) -> np.ndarray:
     """The storage span of a dense (non-overlapping, gap-free) tensor as a 1-D numpy view."""
-    t = t.detach()
-    flat = t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())  # view: 1 µs
-    return flat.view(VIEW[t.dtype]).numpy()
+    if not t.is_contiguous():
+        t = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return as_array(t).reshape(-1)  # numpy's reshape of a contiguous array: a view, 0.3 µs where torch's takes 1
 
 
 def _dense(t: Tensor) -> bool:
@@ -86,6 +86,8 @@ def _layout(inputs: list[Tensor], out: Tensor | None) -> tuple[list[Tensor], Ten
     the op's fake implementation promises exactly that layout, so compiled graphs see the strides they traced.
     Inputs already in it are used in place; the others are copied into it once."""
     self_ = inputs[-1]
+    if out is None and all(t.is_contiguous() for t in inputs):  # the common case, in ~1 µs
+        return inputs, _pool.empty(self_.shape, self_.dtype)
     ref = self_ if _dense(self_) else torch.empty_like(self_)  # empty_like keeps a dense tensor's strides
     inputs = [t if _dense(t) and t.stride() == ref.stride() else torch.empty_like(ref).copy_(t) for t in inputs]
     if out is not None and out.stride() == ref.stride() and _dense(out):
