@@ -88,6 +88,30 @@ def test_forked_child_falls_back_to_torch_instead_of_terminating():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_refuses_a_named_cpu_backend_with_561003(monkeypatch):
+    """Naming ``cpu`` in such a child is a request the process cannot honour: an OpError saying why (issue 12.2),
+    from the public API and from a direct call of the backend alike, never a silent reference result."""
+    x, g = torch.randn(64, 64), torch.randn(64)
+    gradops.rms_norm(x, g)  # runs the parallel kernel in this process
+    monkeypatch.setenv("GRADOPS_BACKEND", "cpu")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            for call in (lambda: gradops.rms_norm(x, g), lambda: cpu.rms_norm(x, g, 1e-6)):
+                try:
+                    call()
+                    code = 2
+                    break
+                except backend.BackendUnavailable as e:
+                    code = 0 if e.status == 561003 and "forked" in str(e) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
 _THREADS_CHILD = """
 import threading, torch, gradops, numba
 torch.manual_seed(0)

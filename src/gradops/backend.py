@@ -9,8 +9,8 @@
 - ``cpu``: the compiled CPU kernels (needs numba).
 
 A backend that does not implement an op leaves that op to ``torch`` (documented per op in ``gradops env``). A
-backend asked for by name that cannot run - not installed, its import failing, the wrong device - raises
-:class:`BackendUnavailable` saying why: a typo or a missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
+backend asked for by name that cannot run - not installed, its import failing, the wrong device, or the compiled
+CPU kernels in a child forked after GNU OpenMP ran - raises :class:`BackendUnavailable` saying why: a typo or a missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
 
 :func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
 ``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,
@@ -98,6 +98,9 @@ def usable(name: str, device: torch.device) -> tuple[bool, str]:
             return False, f"the compiled CPU kernels run on CPU tensors only (got {device})"
         if importlib.util.find_spec("numba") is None:
             return False, "numba is not installed (pip install 'gradops[cpu]')"
+        host = sys.modules.get("gradops.cpu._host")
+        if host is not None and host.forked_omp_child():
+            return False, host.FORKED_WHY
         return True, ""
     return False, f"unknown backend {name!r}"
 

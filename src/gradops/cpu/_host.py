@@ -80,9 +80,18 @@ def scratch(workspace: Tensor | None, nbytes: int, offset: int, dtype: np.dtype,
 # ---------------------------------------------------------------- fork safety
 #: True in a child forked after this process ran a parallel kernel on numba's GNU-OpenMP pool: GNU OpenMP does
 #: not survive fork, and numba terminates the child at its next parallel launch ("fork() called from a process
-#: already using GNU OpenMP"). Such a child (a fork-started DataLoader worker, a multiprocessing pool) computes
-#: with the pure-torch reference instead: same results, reference speed.
+#: already using GNU OpenMP"). In such a child (a fork-started DataLoader worker, a multiprocessing pool)
+#: ``GRADOPS_BACKEND=auto`` computes with the pure-torch reference (same results, reference speed), and naming
+#: ``cpu`` raises (gradops.backend.usable).
 _forked_omp_child = False
+
+FORKED_WHY = ("this process was forked after the compiled CPU kernels ran on GNU OpenMP, which does not survive "
+              "fork (start workers with 'spawn', or use GRADOPS_BACKEND=auto to compute with the reference here)")
+
+
+def forked_omp_child() -> bool:
+    """Whether this process is a child forked after the parent ran a kernel on GNU OpenMP (see above)."""
+    return _forked_omp_child
 
 
 def _after_fork_in_child() -> None:
@@ -119,30 +128,21 @@ def _decide_layer() -> None:
 
 def safe_entry(fn: Callable) -> Callable:
     """Wrap ``fn`` (a backend op) for the two process-level hazards of numba's thread pools: in a forked child
-    whose parent ran GNU OpenMP it computes with :mod:`gradops.reference`'s op of the same name; under the
-    workqueue layer its launches are serialised (see :data:`_launch_lock`). Cost on the common path: two global
-    reads (~0.1 µs)."""
+    whose parent ran GNU OpenMP it raises :class:`~gradops.backend.BackendUnavailable` (numba would terminate the
+    process; the dispatcher never sends a call here then, so only a direct call of ``gradops.cpu`` meets this);
+    under the workqueue layer its launches are serialised (see :data:`_launch_lock`). Cost on the common path: two
+    global reads (~0.1 µs)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if not _layer_decided:
             _decide_layer()
         if _forked_omp_child:
-            return _in_reference(fn.__name__, args, kwargs)
+            from ..backend import BackendUnavailable
+
+            raise BackendUnavailable(fn.__name__, "cpu", FORKED_WHY)
         lock = _launch_lock
         if lock is None:
             return fn(*args, **kwargs)
         with lock:
             return fn(*args, **kwargs)
     return call
-
-
-def _in_reference(name: str, args: tuple, kwargs: dict):
-    from .. import reference
-
-    result = getattr(reference, name)(*args)
-    out = kwargs.get("out")
-    if out is None:
-        return result
-    for o, r in zip(out if isinstance(out, tuple) else (out,), result if isinstance(result, tuple) else (result,)):
-        o.copy_(r)
-    return out
