@@ -62,3 +62,22 @@ def test_interpreter_timings_are_refused(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert main(["bench", "--quick", "--device", "cpu", "--no-save"]) == 2
     assert "interpreter" in capsys.readouterr().err
+
+
+def test_per_call_times_every_public_function_beside_its_op_path_and_aten(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    import gradops
+
+    per_call = importlib.import_module("gradops.bench.per_call")
+    monkeypatch.setattr(per_call, "ROUNDS", 2)
+    monkeypatch.setattr(per_call, "CALLS", 2)
+    assert main(["bench", "--per-call", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    backwards = [name for name in gradops.__all__ if name.endswith(("_grad", "_backward", "_grad_beta"))]
+    for name in backwards + ["rms_norm", "layer_norm", "hardswish", "rms_norm fwd+bwd", "embedding fwd+bwd"]:
+        assert f"\n{name} " in out, name
+    (path,) = tmp_path.glob("per-call-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["function"] for r in rows} >= set(backwards)
+    assert all(r["gradops_us"] > 0 and r["op_path_us"] > 0 and r["torch"] == torch.__version__ for r in rows)

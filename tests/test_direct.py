@@ -4,6 +4,9 @@ from the registered custom op (same bits, same gradients, same errors) when it i
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,3 +207,44 @@ def test_eager_backward_trusts_indices_its_forward_checked(monkeypatch):
         via_op = step()
     assert calls == ["checked_indices", "checked_sorted_indices", "checked_indices"]
     assert torch.equal(eager, via_op)
+
+
+_MISSING_HOOK_CHILD = """
+import torch
+del torch._C._get_tracing_state  # as a later torch that renamed the hook would be
+import importlib, gradops
+direct = importlib.import_module("gradops.ops._direct")
+x, g = torch.randn(4, 8), torch.randn(8)
+y, rstd = gradops.rms_norm(x, g)
+print(direct.eager_path(x), "|", direct.DISABLED, "|", torch.equal(y, torch.rms_norm(x, [8], g, 1e-6)))
+"""
+
+
+def test_a_torch_without_a_hook_takes_the_op_path_and_says_why():
+    proc = subprocess.run([sys.executable, "-c", _MISSING_HOOK_CHILD], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    path, why, _ = (part.strip() for part in proc.stdout.strip().split("|"))
+    assert path == direct.OP and "torch._C._get_tracing_state" in why
+
+
+def test_gradops_eager_0_turns_the_direct_path_off():
+    code = "import importlib, torch, gradops; d = importlib.import_module('gradops.ops._direct'); " \
+           "print(d.eager_path(torch.randn(2)), d.DISABLED)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "GRADOPS_EAGER": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [direct.OP, "GRADOPS_EAGER=0"]
+
+
+def test_set_enabled_switches_the_path_and_results_stay_the_same():
+    x, g = torch.randn(4, 8), torch.randn(8)
+    on = gradops.rms_norm(x, g)
+    try:
+        direct.set_enabled(False)
+        assert direct.eager_path(x) == direct.OP and direct.DISABLED
+        off = gradops.rms_norm(x, g)
+    finally:
+        direct.set_enabled(True)
+    assert direct.eager_path(x) == direct.BODY and direct.DISABLED is None
+    assert all(torch.equal(a, b) for a, b in zip(on, off))

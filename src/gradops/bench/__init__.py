@@ -5,7 +5,8 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 (fresh outputs, and ``out=`` preallocated) over each peer. Results are appended as JSON lines to
 ``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
 
-``--compile-cost`` instead measures the first-call cost of the compiled CPU kernels in fresh processes, with
+``--per-call`` instead measures what one call of each public function costs at 8 x 8 fp32 (direct path, through
+the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost`` instead measures the first-call cost of the compiled CPU kernels in fresh processes, with
 an empty numba cache (cold) and with the cache that run filled (cached).
 """
 
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--compile-cost", action="store_true",
                         help="measure the CPU kernels' first-call compile cost, cold and cached, and exit")
+    parser.add_argument("--per-call", action="store_true",
+                        help="measure every public function's per-call cost at 8 x 8 fp32 against ATen, and exit")
 
 
 def _version(pkg: str) -> str | None:
@@ -91,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_cost:
         from .compile_cost import measure
         return measure()
+    if args.per_call:
+        from .per_call import measure as per_call
+        return per_call(None if args.no_save else args.results)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("gradops bench: TRITON_INTERPRET=1 would time the interpreter; unset it", file=sys.stderr)
         return 2

@@ -108,11 +108,21 @@ def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embeddin
     flat = indices.reshape(-1)
     if flat.is_floating_point():
         flat = flat.double().trunc()  # tested in float64: NaN and inf must fail the range test, not wrap in int64
-    else:
-        flat = flat.long()
+        if flat.numel():
+            bad = ~((flat >= 0) & (flat < num_weights))  # NaN fails both comparisons
+            if bool(bad.any()):
+                _refuse(indices, bad, num_weights, op)
+        return flat.long()
+    flat = flat.long()
     if flat.numel():
-        bad = ~((flat >= 0) & (flat < num_weights))  # NaN fails both comparisons
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0, 0])
-            raise index_error(indices.reshape(-1)[pos].item(), pos, num_weights, op)
-    return flat.long()
+        # Integers: one reduction and one synchronisation (~3 µs on CPU at small sizes, where the five ops of the
+        # float test took ~20); the position is looked for only once a value is known to be outside.
+        lo, hi = torch.aminmax(flat)
+        if lo.item() < 0 or hi.item() >= num_weights:
+            _refuse(indices, (flat < 0) | (flat >= num_weights), num_weights, op)
+    return flat
+
+
+def _refuse(indices: torch.Tensor, bad: torch.Tensor, num_weights: int, op: str) -> None:
+    pos = int(bad.nonzero()[0, 0])
+    raise index_error(indices.reshape(-1)[pos].item(), pos, num_weights, op)

@@ -1,26 +1,34 @@
 """Custom ops whose eager calls skip the ``torch.library`` boundary when nothing needs it.
 
-Going through a custom op costs about 60 µs of Python dispatch per call on CPU, and about 110 µs more when
-its autograd formula records the call (measured with torch 2.13 at a small model's sizes: a hardswish forward
-+ backward of 512 x 192 took 199 µs through the ops against 54 µs in ATen; an RMSNorm backward of 1024 x 96
-took 117 µs through ``torch.ops.gradops.rms_norm_grad``, 55 µs in its body). The boundary is needed only by
-something that watches or transforms the call: torch.compile / export / torch.jit.trace tracing, fake and
-functional tensors, dispatch and function modes, functorch transforms and the legacy vmap of batched gradients,
-tensor subclasses, meta tensors, tensors with a lazy negation or conjugation bit, and the profiler (so that
-traces still name ``gradops::<op>``). When none of these is active, :class:`DirectOp` runs the op body - the
-op's single dispatch point, which validates and picks the backend - directly, or, when autograd records the
-call, through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op
-registers. Results are the same bits either way (tests/test_direct.py).
+A call through a custom op pays torch's Python dispatch of the op, and, when autograd records it, the op's
+autograd wrapper: ``gradops bench --per-call`` measures both against the direct path on your machine (on the 2-core
+CI VM with torch 2.13 at 8 x 8 fp32, 2026-11-23: a call through the op 26-48 µs more than the direct path, a
+recorded forward + backward pair 51-71 µs more). The boundary is needed only by something that watches or transforms the
+call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors, dispatch and function modes,
+functorch transforms and the legacy vmap of batched gradients, tensor subclasses, meta tensors, tensors with a
+lazy negation or conjugation bit, and the profiler (so that traces still name ``gradops::<op>``). When none of
+these is active, :class:`DirectOp` runs the op body - the op's single dispatch point, which validates and picks
+the backend - directly, or, when autograd records the call, through a ``torch.autograd.Function`` built from the
+same setup_context / backward pair the op registers. Results are the same bits either way (tests/test_direct.py).
+
+The test reads eight torch hooks, seven of them private. They are looked up once, at import: on a torch that
+lacks one (renamed in a later release), every call takes the op path - slower, never wrong - and :data:`DISABLED`
+says why. ``GRADOPS_EAGER=0`` (read at import) or :func:`set_enabled` turns the direct path off by choice.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+try:  # loaded by torch itself; imported here so that the attribute walk below finds it
+    import torch.utils._python_dispatch  # noqa: F401
+except ImportError:  # pragma: no cover - a torch without it disables the direct path (see _resolve)
+    pass
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -28,14 +36,47 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 OP, BODY, FUNCTION = "op", "body", "function"
 
 
+def _resolve(path: str) -> Callable[..., Any] | None:
+    """The function at dotted ``path`` (``torch._C._get_tracing_state``), or None where this torch lacks it."""
+    obj: Any = torch
+    for name in path.split(".")[1:]:
+        obj = getattr(obj, name, None)
+    return obj if callable(obj) else None
+
+
+_HOOK_PATHS = (
+    "torch.compiler.is_compiling", "torch._C._len_torch_dispatch_stack",
+    "torch.utils._python_dispatch.is_in_torch_dispatch_mode", "torch.autograd._profiler_enabled",
+    "torch._C._is_torch_function_mode_enabled", "torch._C._functorch.peek_interpreter_stack",
+    "torch._C._get_tracing_state", "torch._C._functorch.is_legacy_batchedtensor",
+)
+_hooks = [_resolve(p) for p in _HOOK_PATHS]
+_missing = [p for p, fn in zip(_HOOK_PATHS, _hooks) if fn is None]
+(_is_compiling, _dispatch_stack_len, _in_dispatch_mode, _profiling, _function_mode, _functorch_stack,
+ _tracing_state, _legacy_batched) = _hooks
+
+#: Why the direct path is off (None while it is on).
+DISABLED: str | None = (f"this torch {torch.__version__} lacks {', '.join(_missing)}" if _missing else
+                        "GRADOPS_EAGER=0" if os.environ.get("GRADOPS_EAGER", "1").strip() == "0" else None)
+_enabled = DISABLED is None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the direct path on or off for this process (it stays off on a torch that lacks a hook)."""
+    global _enabled, DISABLED
+    if enabled and _missing:
+        raise RuntimeError(f"the eager fast path cannot run here: {DISABLED}")
+    _enabled = bool(enabled)
+    DISABLED = None if _enabled else (DISABLED or "set_enabled(False)")
+
+
 def eager_path(*args: object) -> str:
     """Which path a call with ``args`` may take (see the module docstring)."""
-    # Dispatch modes: the per-thread stack for user modes (the global flag is_in_torch_dispatch_mode reads can be
-    # cleared by another thread leaving its mode), the flag for infra modes (fake, functional, proxy) kept beside it.
+    # Dispatch modes: the per-thread stack for user modes (the global flag _in_dispatch_mode reads can be cleared by
+    # another thread leaving its mode), the flag for infra modes (fake, functional, proxy) kept beside it.
     # The profiler: the C++ state, which also sees a profiler started without torch.profiler's Python wrapper.
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or is_in_torch_dispatch_mode()
-            or torch.autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state() is not None):
+    if (not _enabled or _is_compiling() or _dispatch_stack_len() or _in_dispatch_mode() or _profiling()
+            or _function_mode() or _functorch_stack() is not None or _tracing_state() is not None):
         return OP
     grad = torch.is_grad_enabled()
     path = BODY
@@ -44,8 +85,7 @@ def eager_path(*args: object) -> str:
             # Exact types only: a subclass (DTensor, a user's wrapper) has its own __torch_dispatch__ to honour. The
             # op resolves a lazy negation / conjugation (``z.conj().imag``) before its body sees the data; the legacy
             # vmap of ``autograd.grad(is_grads_batched=True)`` wraps plain tensors and needs the op's batching.
-            if (type(a) not in _PLAIN or a.is_meta or a.is_neg() or a.is_conj()
-                    or torch._C._functorch.is_legacy_batchedtensor(a)):
+            if type(a) not in _PLAIN or a.is_meta or a.is_neg() or a.is_conj() or _legacy_batched(a):
                 return OP
             if grad and a.requires_grad:
                 path = FUNCTION

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..backend import choose
@@ -21,19 +20,8 @@ check_embedding_dense_backward = remembered(contract.check_embedding_dense_backw
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                                    scale_grad_by_freq: bool) -> Tensor:
     rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    chosen = choose("embedding_dense_backward", grad.device)
-    if chosen.name == "cpu" and _INTEGER.get(indices.dtype, False):
-        # The compiled CPU backend tests every index in its counting pass, before anything is addressed, and
-        # refuses the first one outside the table with the same OpError (index_error: the same value, as these
-        # dtypes convert exactly, and flat position). Testing here as well cost ~20 µs of torch ops per call.
-        idx = flat_indices(indices)
-    else:
-        idx = checked_indices(indices, num_weights)
-    return own(chosen.fn(grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq))
-
-
-#: Index dtypes whose values convert to int64 exactly and print alike (not floats: truncated; not bool).
-_INTEGER = {torch.int64: True, torch.int32: True, torch.int16: True, torch.int8: True, torch.uint8: True}
+    return _run(grad.reshape(rows, dim), checked_indices(indices, num_weights), num_weights, padding_idx,
+                scale_grad_by_freq)
 
 
 def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:

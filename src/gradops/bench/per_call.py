@@ -1,0 +1,131 @@
+"""Per-call cost: every public function at a size where the work is nil (8 x 8 fp32), against its ATen twin.
+
+What a call costs before and after the kernel - validation, the backend decision, allocation, conversion and the
+Python around them - is what a small model pays on every step. Each function is timed three ways where they
+apply: the eager direct path (what a user gets), the same call through the ``torch.library`` op
+(``GRADOPS_EAGER=0``'s path, :mod:`gradops.ops._direct`), and ATen's kernel for the same work. The forwards
+that autograd records are also timed as forward + backward pairs. Timing: the cases run round-robin (so a noisy
+neighbour hits all of them alike), 100 calls per round, and the best round's mean is reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROUNDS, CALLS = 30, 100
+
+
+def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
+    import gradops
+
+    g = torch.Generator().manual_seed(0)
+    x, dy, gamma, beta = (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g),
+                          torch.randn(8, generator=g))
+    _, rstd = gradops.rms_norm(x, gamma)
+    _, mean, var = gradops.layer_norm(x, gamma, beta, 1e-5)
+    ln_rstd = torch.rsqrt(var + 1e-5)
+    idx = torch.randint(0, 8, (8,), generator=g)
+    _, sorted_idx = gradops.moe_token_permute(x, torch.randint(0, 4, (8, 2), generator=g))
+    perm_grad = torch.randn(16, 8, generator=g)
+    ops = torch.ops.gradops
+    aten = torch.ops.aten
+    xg, wg = x.clone().requires_grad_(), torch.randn(8, 8, generator=g).requires_grad_()
+    gg, bg = gamma.clone().requires_grad_(), beta.clone().requires_grad_()
+
+    def pair(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: fn().sum().backward()
+
+    return {
+        "rms_norm": {"gradops": lambda: gradops.rms_norm(x, gamma), "op": lambda: ops.rms_norm(x, gamma, 1e-6),
+                     "aten": lambda: torch.rms_norm(x, [8], gamma, 1e-6)},
+        "rms_norm_grad": {"gradops": lambda: gradops.rms_norm_grad(dy, x, rstd, gamma),
+                          "op": lambda: ops.rms_norm_grad(dy, x, rstd, gamma), "aten": None},
+        "layer_norm": {"gradops": lambda: gradops.layer_norm(x, gamma, beta, 1e-5),
+                       "op": lambda: ops.layer_norm(x, gamma, beta, 1e-5),
+                       "aten": lambda: torch.native_layer_norm(x, [8], gamma, beta, 1e-5)},
+        "layer_norm_backward": {
+            "gradops": lambda: gradops.layer_norm_backward(dy, x, mean, ln_rstd, gamma),
+            "op": lambda: ops.layer_norm_backward(dy, x, mean, ln_rstd, gamma),
+            "aten": lambda: aten.native_layer_norm_backward(dy, x, [8], mean[:, None], ln_rstd[:, None], gamma, beta,
+                                                            [True, True, True])},
+        "layer_norm_grad": {"gradops": lambda: gradops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5),
+                            "op": lambda: ops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5), "aten": None},
+        "layer_norm_grad_beta": {"gradops": lambda: gradops.layer_norm_grad_beta(x, dy),
+                                 "op": lambda: ops.layer_norm_grad_beta(x, dy), "aten": None},
+        "hardswish": {"gradops": lambda: gradops.hardswish(x), "op": lambda: ops.hardswish(x),
+                      "aten": lambda: aten.hardswish(x)},
+        "hardswish_backward": {"gradops": lambda: gradops.hardswish_backward(dy, x),
+                               "op": lambda: ops.hardswish_backward(dy, x),
+                               "aten": lambda: aten.hardswish_backward(dy, x)},
+        "embedding_dense_backward": {
+            "gradops": lambda: gradops.embedding_dense_backward(dy, idx, 8),
+            "op": lambda: ops.embedding_dense_backward(dy, idx, 8, -1, False),
+            "aten": lambda: aten.embedding_dense_backward(dy, idx, 8, -1, False)},
+        "moe_token_permute_grad": {"gradops": lambda: gradops.moe_token_permute_grad(perm_grad, sorted_idx, 2),
+                                   "op": lambda: ops.moe_token_permute_grad(perm_grad, sorted_idx, 2, False),
+                                   "aten": None},
+        "rms_norm fwd+bwd": {"gradops": pair(lambda: gradops.rms_norm(xg, gg)[0]),
+                             "op": pair(lambda: ops.rms_norm(xg, gg, 1e-6)[0]),
+                             "aten": pair(lambda: torch.rms_norm(xg, [8], gg, 1e-6))},
+        "layer_norm fwd+bwd": {"gradops": pair(lambda: gradops.layer_norm(xg, gg, bg, 1e-5)[0]),
+                               "op": pair(lambda: ops.layer_norm(xg, gg, bg, 1e-5)[0]),
+                               "aten": pair(lambda: torch.nn.functional.layer_norm(xg, [8], gg, bg, 1e-5))},
+        "hardswish fwd+bwd": {"gradops": pair(lambda: gradops.hardswish(xg)), "op": pair(lambda: ops.hardswish(xg)),
+                              "aten": pair(lambda: torch.nn.functional.hardswish(xg))},
+        "embedding fwd+bwd": {"gradops": pair(lambda: gradops.embedding(wg, idx)),
+                              "op": pair(lambda: ops.embedding(wg, idx, -1, False)),
+                              "aten": pair(lambda: torch.nn.functional.embedding(idx, wg))},
+    }
+
+
+def _time(cases: dict[str, dict[str, Callable[[], object] | None]]) -> dict[tuple[str, str], float]:
+    flat = [(name, kind, fn) for name, kinds in cases.items() for kind, fn in kinds.items() if fn is not None]
+    for _, _, fn in flat:
+        for _ in range(20):
+            fn()
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(ROUNDS):
+        for name, kind, fn in flat:
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            us = (time.perf_counter() - start) / CALLS * 1e6
+            best[name, kind] = min(best.get((name, kind), us), us)
+    return best
+
+
+def measure(results: Path | None) -> int:
+    """Print the per-call table; append it as JSON lines to ``<results>/per-call-<date>.jsonl`` unless None."""
+    from . import environment
+
+    env = environment(torch.device("cpu"))
+    with torch.no_grad():
+        plain = _time({k: v for k, v in _cases().items() if "+" not in k})
+    paired = _time({k: v for k, v in _cases().items() if "+" in k})
+    best = {**plain, **paired}
+    names = list(dict.fromkeys(name for name, _ in best))
+    print(f"per call, 8 x 8 fp32, best of {ROUNDS} rounds x {CALLS} calls; {env['device_name']}, torch {env['torch']}, "
+          f"numba {env['numba']}, backend {env['gradops_backend']}")
+    print(f"{'function':28s} {'gradops µs':>10s} {'via op µs':>10s} {'ATen µs':>8s} {'gradops/ATen':>13s}")
+    rows = []
+    for name in names:
+        ours, op, ref = best[name, "gradops"], best.get((name, "op")), best.get((name, "aten"))
+        ratio = f"{ours / ref:.1f}x" if ref else "-"
+        print(f"{name:28s} {ours:10.1f} {op:10.1f} {ref if ref is not None else float('nan'):8.1f} {ratio:>13s}")
+        rows.append({**env, "bench": "per-call", "function": name, "shape": [8, 8], "dtype": "float32",
+                     "gradops_us": round(ours, 2), "op_path_us": round(op, 2) if op else None,
+                     "aten_us": round(ref, 2) if ref else None})
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        path = results / f"per-call-{datetime.date.today().isoformat()}.jsonl"
+        with path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"\nwrote {path}")
+    return 0
