@@ -8,7 +8,7 @@ from ..backend import choose
 from ..contract import embedding as contract
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table
-from ._direct import BODY, DirectOp, eager_path, own
+from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, run_into
 
 # The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
@@ -20,7 +20,7 @@ check_embedding_dense_backward = remembered(contract.check_embedding_dense_backw
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                                    scale_grad_by_freq: bool) -> Tensor:
     rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return _run(grad.reshape(rows, dim), checked_indices(indices, num_weights), num_weights, padding_idx,
+    return _run(fit(grad, (rows, dim)), checked_indices(indices, num_weights), num_weights, padding_idx,
                 scale_grad_by_freq)
 
 

@@ -8,7 +8,7 @@ from torch import Tensor
 from ..backend import choose
 from ..contract import layer_norm as contract
 from ..contract._memo import remembered
-from ._direct import DirectOp, own
+from ._direct import DirectOp, fit, own
 from ._out import check_out, refuse_autograd, run_into
 
 # The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
@@ -22,8 +22,9 @@ check_layer_norm_grad_beta = remembered(contract.check_layer_norm_grad_beta)
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm(x, gamma, beta, epsilon)
     impl = choose("layer_norm", x.device).fn
-    y, mean, var = impl(x.reshape(rows, cols), gamma, beta, epsilon)
-    return own(y.view(x.shape), mean.view(x.shape[:-1]), var.view(x.shape[:-1]))
+    y, mean, var = impl(fit(x, (rows, cols)), gamma, beta, epsilon)
+    stat = x.shape[:-1]
+    return own(fit(y, x.shape), fit(mean, stat), fit(var, stat))
 
 
 _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
@@ -40,9 +41,9 @@ def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
                           epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
     impl = choose("layer_norm_grad", x.device).fn
-    pdx, res = impl(dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows),
+    pdx, res = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)),
                     gamma, epsilon)
-    return own(pdx.view(x.shape), res.view(x.shape))
+    return own(fit(pdx, x.shape), fit(res, x.shape))
 
 
 _layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
@@ -57,7 +58,7 @@ def _(dy, x, variance, mean, gamma, epsilon):
 def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
     impl = choose("layer_norm_grad_beta", dy.device).fn
-    return own(*impl(res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols)))
+    return own(*impl(fit(res_for_gamma, (rows, cols)), fit(dy, (rows, cols))))
 
 
 _layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body)
@@ -73,9 +74,9 @@ def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                               gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
     impl = choose("layer_norm_backward", x.device).fn
-    dx, dgamma, dbeta = impl(dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows),
+    dx, dgamma, dbeta = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
                              gamma)
-    return own(dx.view(x.shape), dgamma, dbeta)
+    return own(fit(dx, x.shape), dgamma, dbeta)
 
 
 _layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body)

@@ -8,7 +8,7 @@ from torch import Tensor
 from ..backend import choose
 from ..contract import rms_norm as contract
 from ..contract._memo import remembered
-from ._direct import DirectOp, own
+from ._direct import DirectOp, fit, own
 from ._out import check_out, refuse_autograd, run_into
 
 # The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
@@ -20,8 +20,8 @@ check_rms_norm_grad = remembered(contract.check_rms_norm_grad)
 def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
     impl = choose("rms_norm_grad", x.device).fn
-    dx, dgamma = impl(dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
-    return own(dx.view(x.shape), dgamma.view(gamma.shape))
+    dx, dgamma = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,)))
+    return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
 _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
@@ -36,8 +36,8 @@ def _(dy, x, rstd, gamma):
 def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
     impl = choose("rms_norm", x.device).fn
-    y, rstd = impl(x.reshape(rows, cols), gamma.reshape(cols), epsilon)
-    return own(y.view(x.shape), rstd.view(rstd_shape))
+    y, rstd = impl(fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon)
+    return own(fit(y, x.shape), fit(rstd, rstd_shape))
 
 
 _rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
