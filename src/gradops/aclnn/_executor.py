@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import threading
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,7 @@ import torch
 
 from .. import backend
 from ..contract._common import overlaps_itself
+from ..ops._out import takes_out
 from ..status import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
@@ -43,8 +45,8 @@ from ..status import (
 
 _last = threading.local()
 
-#: ``compute(impl, workspace_kwargs)``: runs the bound implementation and writes the caller's outputs.
-Compute = Callable[[Callable, dict], None]
+#: ``compute(impl, kwargs)``: runs the bound implementation (kwargs: ``workspace``, ``out``) and returns its results.
+Compute = Callable[[Callable, dict], object]
 
 
 def aclGetRecentErrMsg() -> str:
@@ -127,18 +129,32 @@ def _implementation(op: str, device: torch.device) -> tuple[str, Callable, Calla
     return name, fn, getattr(module, f"{op}_workspace", None)
 
 
+#: Alignment of the result buffers carved from the workspace (cache line; CANN aligns workspaces to 512 bytes).
+_ALIGN = 64
+
+
 def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute,
-            outs: dict[str, torch.Tensor]) -> tuple[int, int, aclOpExecutor | None]:
+            outs: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None
+            ) -> tuple[int, int, aclOpExecutor | None]:
     """Phase 1 after validation: bind ``compute`` to the chosen implementation and size its workspace.
+
+    The results are written straight into the caller's out tensors: an implementation that takes ``out=`` gets
+    views of them in its result shapes. An out tensor that has no such view (not contiguous) gets a buffer carved
+    from the workspace, copied into it after the run, and its bytes are part of the workspace size reported here,
+    so that phase 2 allocates nothing the caller did not size. (The pure-torch reference, which takes no ``out=``,
+    computes with torch ops and its results are copied in.)
 
     Args:
         op: the backend op name (``"rms_norm_grad"``, ...).
         device: the device of the tensors.
         size_args: the positional args the implementation will receive (stand-ins with the right metadata where
             the real ones depend on data, e.g. converted indices), passed to the workspace hook.
-        compute: called at run time as ``compute(impl, {"workspace": slice})`` (``{}`` without a hook).
-        outs: the out tensors by name: refused (161002) when two elements share memory (a broadcast or
-            interleaved view cannot hold one value per element).
+        compute: called at run time as ``compute(impl, kwargs)`` and returns the implementation's results;
+            ``kwargs`` carries ``workspace`` (with a hook) and ``out`` (when the implementation takes it).
+        outs: the out tensors by name, in the order of the implementation's results: refused (161002) when two
+            elements share memory (a broadcast or interleaved view cannot hold one value per element).
+        shapes: the shape the implementation produces a result in, by out name, where it is not the out's own
+            (the 2-D view of an N-D dx, for instance).
 
     Returns:
         ``(status, workspace_size, executor)``.
@@ -152,12 +168,44 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
     except (RuntimeError, ValueError, ImportError, KeyError) as e:  # GRADOPS_BACKEND names nothing usable
         return _refuse(ACLNN_ERR_INNER_FIND_KERNEL_ERROR, f"{op}: no implementation: {e}"), 0, None
     try:
-        size = int(hook(*size_args)) if hook is not None else 0
+        scratch = int(hook(*size_args)) if hook is not None else 0
     except Exception as e:  # noqa: BLE001 - a C API cannot throw; report the hook's failure as an inner error
         return _refuse(ACLNN_ERR_INNER, f"{op}: {name} workspace query failed: {e!r}"), 0, None
 
+    direct = takes_out(fn)
+    targets = [(t, tuple((shapes or {}).get(key, t.shape))) for key, t in outs.items()]
+    carved: list[tuple[int, int]] = []  # (offset past the alignment slack, bytes) per carved result
+    size = scratch
+    if direct and any(not t.is_contiguous() for t, _ in targets):
+        size += _ALIGN  # slack: the caller's buffer may start anywhere
+        for t, shape in targets:
+            if not t.is_contiguous():
+                size = -(-size // _ALIGN) * _ALIGN
+                nbytes = math.prod(shape) * t.element_size()
+                carved.append((size, nbytes))
+                size += nbytes
+
     def run(workspace: torch.Tensor | None) -> None:
-        compute(fn, {"workspace": workspace} if hook is not None else {})
+        kw = {"workspace": workspace[:scratch] if workspace is not None and scratch else None} if hook else {}
+        if not direct:
+            results = compute(fn, kw)
+            for (t, _), r in zip(targets, results if isinstance(results, tuple) else (results,)):
+                t.copy_(r.reshape(t.shape))
+            return
+        base = (-workspace.data_ptr()) % _ALIGN - _ALIGN if carved else 0  # offsets above include the slack
+        views, pending, spots = [], [], iter(carved)
+        for t, shape in targets:
+            if t.is_contiguous():
+                views.append(t.view(shape))
+                continue
+            offset, nbytes = next(spots)
+            buf = workspace[base + offset:base + offset + nbytes].view(t.dtype).view(shape)
+            views.append(buf)
+            pending.append((t, buf))
+        kw["out"] = tuple(views) if len(views) > 1 else views[0]
+        compute(fn, kw)
+        for t, buf in pending:
+            t.copy_(buf.reshape(t.shape))
 
     return ACLNN_SUCCESS, size, aclOpExecutor(op, name, device, size, run)
 

@@ -66,7 +66,7 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
 
     def compute(impl, kw):
         idx = checked_indices(indices, numWeights)  # reads the data present now (161002 if out of range)
-        out.copy_(impl(*args(idx), **kw))
+        return impl(*args(idx), **kw)
 
     # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
     stand_in = torch.zeros((), dtype=torch.int64, device=device).expand(rows)

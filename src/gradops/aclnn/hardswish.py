@@ -28,7 +28,7 @@ def aclnnHardswishBackwardGetWorkspaceSize(gradOutput: Tensor, self: Tensor,
         return refused(e)
 
     def compute(impl, kw):
-        out.copy_(impl(gradOutput, self, **kw))
+        return impl(gradOutput, self, **kw)
 
     return prepare("hardswish_backward", self.device, (gradOutput, self), compute, {"out": out})
 

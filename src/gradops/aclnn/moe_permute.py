@@ -42,7 +42,7 @@ def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedI
 
     def compute(impl, kw):
         checked_sorted_indices(sortedIndices)
-        out.copy_(impl(*args, **kw))
+        return impl(*args, **kw)
 
     return prepare("moe_token_permute_grad", permutedOutputGrad.device, args, compute, {"out": out})
 
@@ -76,9 +76,7 @@ def aclnnMoeTokenPermuteGetWorkspaceSize(tokens: Tensor, indices: Tensor, numOut
     args = (tokens, indices, plan.rows)
 
     def compute(impl, kw):
-        permuted, sorted_indices = impl(*args, **kw)
-        permuteTokensOut.copy_(permuted)
-        sortedIndicesOut.copy_(sorted_indices)
+        return impl(*args, **kw)
 
     return prepare("moe_token_permute", tokens.device, args, compute,
                    {"permuteTokensOut": permuteTokensOut, "sortedIndicesOut": sortedIndicesOut})

@@ -2,7 +2,8 @@
 
 Validation is :mod:`gradops.contract.rms_norm` with ``cann=True``: what the seed refuses and the PyTorch API
 accepts is refused here, i.e. empty tensors (561002) and non-contiguous inputs (161002); shape rules are
-tiling checks in CANN and return 561002. Out tensors may be non-contiguous views (results are copied in).
+tiling checks in CANN and return 561002. Out tensors may be non-contiguous views (results go through a buffer in
+the workspace and are copied in; see :func:`gradops.aclnn._executor.prepare`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
         return dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols)
 
     def compute(impl, kw):
-        dx, dgamma = impl(*args(), **kw)
-        dxOut.copy_(dx.reshape(dxOut.shape))
-        dgammaOut.copy_(dgamma.reshape(dgammaOut.shape))
+        return impl(*args(), **kw)
 
-    return prepare("rms_norm_grad", x.device, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut})
+    return prepare("rms_norm_grad", x.device, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
+                   {"dxOut": (rows, cols), "dgammaOut": (cols,)})
 
 
 def aclnnRmsNormGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
@@ -69,11 +69,10 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
         return x.reshape(rows, cols), gamma.reshape(cols), float(epsilon)
 
     def compute(impl, kw):
-        y, rstd = impl(*args(), **kw)
-        yOut.copy_(y.reshape(yOut.shape))
-        rstdOut.copy_(rstd.reshape(rstdOut.shape))
+        return impl(*args(), **kw)
 
-    return prepare("rms_norm", x.device, args(), compute, {"yOut": yOut, "rstdOut": rstdOut})
+    return prepare("rms_norm", x.device, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
+                   {"yOut": (rows, cols), "rstdOut": (rows,)})
 
 
 def aclnnRmsNorm(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

@@ -80,7 +80,8 @@ def refuse_autograd(op: str, *inputs: Tensor) -> None:
 
 
 @cache
-def _takes_out(fn: Callable) -> bool:
+def takes_out(fn: Callable) -> bool:
+    """Whether backend function ``fn`` accepts ``out=`` (it then writes its results into the given tensors)."""
     try:
         return "out" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -106,7 +107,7 @@ def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequen
     # (resolve_neg returns the tensor itself when the bit is clear).
     args = tuple(a.resolve_neg() if isinstance(a, Tensor) else a for a in args)
     views = [_view(o, o.shape if s is None else s) for o, s in zip(outs, shapes)]
-    if _takes_out(fn) and all(v is not None for v in views):
+    if takes_out(fn) and all(v is not None for v in views):
         fn(*args, out=tuple(views) if len(views) > 1 else views[0])
         return outs
     results = fn(*args)
