@@ -59,7 +59,8 @@ def _ascendc_pdx(dy, x, mean, rstd, gamma):
     rs = rstd.reshape(*x.shape[:-1], 1)
     pd_xl = DY * gamma.to(F64)
     pd_var = torch.sum(-0.5 * pd_xl * (X - mu) * rs ** 3, dim=-1, keepdim=True)
-    pd_mean = torch.sum(-pd_xl * rs, dim=-1, keepdim=True) + pd_var * (1.0 / n) * torch.sum(-2.0 * (X - mu), dim=-1, keepdim=True)
+    pd_mean = (torch.sum(-pd_xl * rs, dim=-1, keepdim=True)
+               + pd_var * (1.0 / n) * torch.sum(-2.0 * (X - mu), dim=-1, keepdim=True))
     pd_x = pd_xl * rs + pd_var * (2.0 / n) * (X - mu) + pd_mean * (1.0 / n)
     return pd_x, (X - mu) * rs
 

@@ -34,7 +34,8 @@ def test_rms_norm_grad_is_autograd_of_forward(backend):
 
 def test_layer_norm_backward_is_autograd_of_forward(backend):
     x, gamma, dy = torch.randn(7, 24) * 3 + 1, torch.randn(24), torch.randn(7, 24)
-    x64, g64, b64 = x.double().requires_grad_(), gamma.double().requires_grad_(), torch.zeros(24, dtype=F64, requires_grad=True)
+    x64, g64 = x.double().requires_grad_(), gamma.double().requires_grad_()
+    b64 = torch.zeros(24, dtype=F64, requires_grad=True)
     torch.nn.functional.layer_norm(x64, (24,), g64, b64, 1e-5).backward(dy.double())
     mean = x.mean(-1)
     var = x.var(-1, unbiased=False)

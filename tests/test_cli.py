@@ -11,8 +11,8 @@ from gradops import check, cli
 
 
 def test_check_passes_and_prints_table():
-    proc = subprocess.run([sys.executable, "-m", "gradops", "check", "--backend", "torch", "--rows", "8", "--cols", "64",
-                           "--seed", "1"], capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run([sys.executable, "-m", "gradops", "check", "--backend", "torch", "--rows", "8",
+                           "--cols", "64", "--seed", "1"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for op in check.OPS:
         assert op in proc.stdout
@@ -37,8 +37,8 @@ def test_check_fails_on_a_wrong_result(monkeypatch, capsys):
         return chosen
 
     monkeypatch.setattr(hardswish_ops, "choose", broken)
-    code = cli.main(["check", "--op", "hardswish_backward", "--backend", "torch", "--rows", "4", "--cols", "32"]
-                    + ["--seed", "7"])
+    code = cli.main(["check", "--op", "hardswish_backward", "--backend", "torch", "--rows", "4", "--cols", "32",
+                     "--seed", "7"])
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and "0 passed, 3 failed" in out
 

@@ -238,7 +238,7 @@ def test_out_writes_the_same_bits_into_the_given_tensors(op, sample, backend):
     assert all(g is o for g, o in zip(got, outs)), f"{op}: out= must return the given tensors"
     assert_matches(op, got, sample)
     for a, b in zip(got, fresh):
-        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()])
+        assert torch.equal(a, b) or ((a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()]))
 
 
 def test_out_may_be_non_contiguous(backend):

@@ -39,7 +39,8 @@ def _grads(fn, args: tuple, wrt: tuple[int, ...]) -> list[torch.Tensor]:
               for i, a in enumerate(args)]
     outs = _as_tuple(fn(*leaves))
     # A fixed, input-independent cotangent for the float outputs (the statistics included).
-    loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs if o.is_floating_point())
+    loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum()
+               for o in outs if o.is_floating_point())
     loss.backward()
     return [leaves[i].grad for i in wrt]
 

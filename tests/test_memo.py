@@ -9,8 +9,8 @@ import torch
 
 import gradops
 from gradops.contract import rms_norm as contract
-from gradops.contract.hardswish import check_hardswish
 from gradops.contract._memo import LIMIT, remembered
+from gradops.contract.hardswish import check_hardswish
 from gradops.status import OpError
 
 rms_ops = importlib.import_module("gradops.ops.rms_norm")

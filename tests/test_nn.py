@@ -227,7 +227,7 @@ def test_patch_swaps_in_place_and_reports():
         shared, shared, _MyNorm(8), torch.nn.Embedding(5, 8, sparse=True),
     ).to(torch.float64)
     model.eval()
-    params_before = {n: p for n, p in model.named_parameters()}
+    params_before = dict(model.named_parameters())
     report = gradops.patch(model)
 
     assert report.counts() == {"Embedding": 1, "RMSNorm": 1, "Hardswish": 1, "LayerNorm": 1}

@@ -71,7 +71,7 @@ def test_npu_moe_token_permute_and_grad():
 def test_npu_moe_token_permute_grad_checks_tokens_rows():
     tokens, indices = _setup()
     permuted, sorted_indices = npu.npu_moe_token_permute(tokens, indices)
-    with pytest.raises(OpError, match="tokens.shape"):
+    with pytest.raises(OpError, match=r"tokens\.shape"):
         npu.npu_moe_token_permute_grad(tokens[:4], permuted, indices, sorted_indices)
 
 

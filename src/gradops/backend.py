@@ -10,7 +10,8 @@
 
 A backend that does not implement an op leaves that op to ``torch`` (documented per op in ``gradops env``). A
 backend asked for by name that cannot run - not installed, its import failing, the wrong device, or the compiled
-CPU kernels in a child forked after GNU OpenMP ran - raises :class:`BackendUnavailable` saying why: a typo or a missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
+CPU kernels in a child forked after GNU OpenMP ran - raises :class:`BackendUnavailable` saying why: a typo or a
+missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
 
 :func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
 ``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,

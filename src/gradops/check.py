@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
             print(status, file=sys.stderr, flush=True)
         rows.append(check_one(op, dt, device, name, args.rows, args.cols, seed + i))
     print(("\r" if live else "") + f"  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
-    header = f"{'op':<26} {'dtype':<9} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} {'bound':>9}  result"
+    header = (f"{'op':<26} {'dtype':<9} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} "
+              f"{'bound':>9}  result")
     print(header)
     print("-" * len(header))
     for r in rows:

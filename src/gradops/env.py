@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"gradops {gradops.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
           f"triton {_version('triton')}  numba {_version('numba')}")
-    print(f"{backend.ENV}={os.environ.get(backend.ENV, 'auto')}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
-          f"  threads={torch.get_num_threads()}")
+    print(f"{backend.ENV}={os.environ.get(backend.ENV, 'auto')}  "
+          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}  threads={torch.get_num_threads()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         print(f"\n{device} ({name})")

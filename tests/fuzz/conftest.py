@@ -17,9 +17,9 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.function_scoped_fixture])
+_COMMON = {"deadline": None, "database": None, "print_blob": True,
+               "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture]}
 settings.register_profile("ci", max_examples=int(os.environ.get("GRADOPS_FUZZ_EXAMPLES", 60)), derandomize=True,
                           **_COMMON)
 settings.register_profile("long", max_examples=int(os.environ.get("GRADOPS_FUZZ_EXAMPLES", 2000)), **_COMMON)

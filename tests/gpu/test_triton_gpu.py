@@ -65,8 +65,8 @@ def _builds():
             flags = {"FROM_VAR": not fused, "WRITE_RES": not fused, "PARTIALS": fused}
             out.append((f"layer_norm_bwd-N{n}-fused{fused}", lnb, ln, {**tile, **flags}, c.num_warps, ("eps",)))
         fwd = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "LOOPED": c.looped}
-        out.append((f"rms_norm_fwd-N{n}", rms_norm.rms_norm_fwd_kernel, {"X": bf, "G": bf, "Y": bf, "RSTD": "fp32"}, fwd,
-                    c.num_warps, ("eps",)))
+        out.append((f"rms_norm_fwd-N{n}", rms_norm.rms_norm_fwd_kernel, {"X": bf, "G": bf, "Y": bf, "RSTD": "fp32"},
+                    fwd, c.num_warps, ("eps",)))
         out.append((f"layer_norm_fwd-N{n}", layer_norm.layer_norm_fwd_kernel,
                     {"X": bf, "G": bf, "B": bf, "Y": bf, "MEAN": "fp32", "VAR": "fp32"}, fwd, c.num_warps, ("eps",)))
     bm, bn, _ = layer_norm.grad_beta_config(16384, 4096, 132)
@@ -81,7 +81,8 @@ def _builds():
         out.append((f"hardswish_strided-bwd{backward}", hardswish.hardswish_strided_kernel,
                     {"G": bf, "X": bf, "OUT": bf}, {"BACKWARD": backward, "BLOCK_R": br, "BLOCK_C": bc}, w, ()))
     e = embedding.embedding_config(4096)
-    out.append(("embedding", embedding.embedding_dense_backward_kernel, {"G": bf, "PERM": "i64", "OFFS": "i64", "OUT": bf},
+    out.append(("embedding", embedding.embedding_dense_backward_kernel,
+                {"G": bf, "PERM": "i64", "OFFS": "i64", "OUT": bf},
                 {"SCALE": True, "BLOCK_T": e.block_t, "BLOCK_E": e.block_e}, e.num_warps, ()))
     for h in (128, 7168):
         bt, bh, w = moe_permute.moe_blocks(h)

@@ -169,7 +169,7 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
         return _refuse(ACLNN_ERR_INNER_FIND_KERNEL_ERROR, f"{op}: no implementation: {e}"), 0, None
     try:
         scratch = int(hook(*size_args)) if hook is not None else 0
-    except Exception as e:  # noqa: BLE001 - a C API cannot throw; report the hook's failure as an inner error
+    except Exception as e:
         return _refuse(ACLNN_ERR_INNER, f"{op}: {name} workspace query failed: {e!r}"), 0, None
 
     direct = takes_out(fn)
@@ -263,6 +263,6 @@ def execute(op: str, workspace, workspace_size, executor: aclOpExecutor | None, 
     except OpError as e:  # data-dependent checks (indices) run here, on the data present at run time
         _last.message = str(e)
         return e.status
-    except Exception as e:  # noqa: BLE001 - a C API cannot throw: runtime failures become 361001
+    except Exception as e:
         return _refuse(ACLNN_ERR_RUNTIME_ERROR, f"{op}: {executor.backend} failed: {e!r}")
     return ACLNN_SUCCESS

@@ -6,8 +6,9 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 ``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
 
 ``--per-call`` instead measures what one call of each public function costs at 8 x 8 fp32 (direct path, through
-the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost`` instead measures the first-call cost of the compiled CPU kernels in fresh processes, with
-an empty numba cache (cold) and with the cache that run filled (cached).
+the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost`` instead measures the first-call cost
+of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and with the cache that run
+filled (cached).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ._common import (
-    require_float,
     FLOATS,
     MAX_RANK,
     dtype_name,
@@ -22,6 +21,7 @@ from ._common import (
     fail,
     numel,
     require_dtype,
+    require_float,
     require_present,
     require_rank,
     require_same_device,
@@ -53,8 +53,8 @@ def _check_stat(op: str, name: str, s: torch.Tensor, x: torch.Tensor) -> None:
     allowed = tuple(dict.fromkeys((torch.float32, x.dtype)))
     require_dtype(op, name, s, allowed)
     rows = tuple(x.shape[:-1])
-    if tuple(s.shape) not in (rows, rows + (1,)):
-        raise fail(INVALID, op, f"{name}.shape", f"{shape_text(rows)} or {shape_text(rows + (1,))}",
+    if tuple(s.shape) not in (rows, (*rows, 1)):
+        raise fail(INVALID, op, f"{name}.shape", f"{shape_text(rows)} or {shape_text((*rows, 1))}",
                    shape_text(s.shape))
 
 

@@ -13,7 +13,6 @@ import torch
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ._common import (
-    require_float,
     FLOATS,
     MAX_RANK,
     dtype_name,
@@ -22,6 +21,7 @@ from ._common import (
     numel,
     require_contiguous,
     require_dtype,
+    require_float,
     require_present,
     require_rank,
     require_same_device,

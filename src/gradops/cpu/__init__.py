@@ -1,9 +1,10 @@
 """Compiled CPU kernels (numba): the ``cpu`` backend of :mod:`gradops.backend`.
 
 Importing this package needs numba; without it the import fails and the dispatcher uses the pure-torch
-reference instead. numba's on-disk cache goes to a folder per version of these sources under ``$GRADOPS_CACHE_DIR``
-(default ``~/.cache/gradops/numba``, or ``NUMBA_CACHE_DIR`` if that is set): the default, next to the source, fails in a read-only
-site-packages. The variable must be set before numba is imported, hence here, first.
+reference instead. numba's on-disk cache goes to a folder per version of these sources under
+``$GRADOPS_CACHE_DIR`` (default ``~/.cache/gradops/numba``, or ``NUMBA_CACHE_DIR`` if that is set): the default,
+next to the source, fails in a read-only site-packages. The variable must be set before numba is imported,
+hence here, first.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from ..contract.embedding import index_error
-from ._host import as_array, finish, safe_entry, output, scratch
+from ._host import as_array, finish, output, safe_entry, scratch
 from ._numeric import ld, st
 
 #: Table rows per parallel task: 64 rows x 1024 x 4 B = 256 KiB written per task.

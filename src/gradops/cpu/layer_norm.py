@@ -12,7 +12,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ._host import as_array, finish, safe_entry, output, row_blocks, scratch
+from ._host import as_array, finish, output, row_blocks, safe_entry, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
 

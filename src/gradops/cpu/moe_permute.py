@@ -10,7 +10,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from ..contract.moe_permute import sorted_index_error
-from ._host import as_array, finish, safe_entry, output
+from ._host import as_array, finish, output, safe_entry
 from ._numeric import ld, st
 
 #: Tokens per parallel task (fixed, so the work split never depends on the thread count).

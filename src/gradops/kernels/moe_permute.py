@@ -21,7 +21,8 @@ def moe_token_permute_grad_kernel(G, IDX, OUT, T, K, A, H, stride_g0, stride_g1,
                                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """``out[t, :] = sum_{k = 0..K-1} G[IDX[t*K + k], :]`` in fp32, k in order, one store per token row: no
     zero-fill, no atomics, deterministic (bitwise equal to a sequential fp32 sum). Rows ``IDX >= A`` (dropped by
-    the forward) add nothing and are never read, nor are negative ones. K is a runtime loop bound (1..512, no recompiles).
+    the forward) add nothing and are never read, nor are negative ones. K is a runtime loop bound (1..512, no
+    recompiles).
     Grid ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``. Bytes: ``T*K*H*s + T*H*s + T*K*s_idx`` (gather form floor).
     """
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -95,9 +95,10 @@ def rms_norm_grad_looped_kernel(DY, X, RSTD, G, DX, PART, M, N, stride_dy, strid
 
     Per row, pass 1 accumulates ``sum_j dy*g*x`` over column blocks; pass 2 reloads dy and x (the row was just
     read: one 16-warp program per SM, a 64k-column bf16 row pair is 256 KB, ~34 MB over 132 SMs, within H100's
-    50 MB L2 together with the partial rows only partly; worst case 5*M*N*s instead of 3), writes dx and adds ``dy * xhat`` into the program's own fp32
-    partial row ``PART[p]`` (read-modify-write by one program only: no atomics; the first row stores). P <= M,
-    so every partial row is written. Bytes: ``3..5 * M*N*s + 8*N per row (L2) + P*N*4``.
+    50 MB L2 together with the partial rows only partly; worst case 5*M*N*s instead of 3), writes dx and adds
+    ``dy * xhat`` into the program's own fp32 partial row ``PART[p]`` (read-modify-write by one program only: no
+    atomics; the first row stores). P <= M, so every partial row is written.
+    Bytes: ``3..5 * M*N*s + 8*N per row (L2) + P*N*4``.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)

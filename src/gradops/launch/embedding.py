@@ -8,8 +8,8 @@ import torch
 import triton
 from torch import Tensor
 
-from ..kernels.embedding import EmbeddingConfig, embedding_config, embedding_dense_backward_kernel
 from ..contract.embedding import index_error
+from ..kernels.embedding import EmbeddingConfig, embedding_config, embedding_dense_backward_kernel
 from ._common import carve, guard, launch, outputs, workspace_bytes
 
 

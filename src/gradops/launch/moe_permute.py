@@ -6,8 +6,8 @@ import torch
 import triton
 from torch import Tensor
 
-from ..kernels.moe_permute import moe_blocks, moe_token_permute_grad_kernel, moe_token_permute_kernel
 from ..contract.moe_permute import sorted_index_error
+from ..kernels.moe_permute import moe_blocks, moe_token_permute_grad_kernel, moe_token_permute_kernel
 from ._common import carve, guard, launch, outputs, workspace_bytes
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 try:  # loaded by torch itself; imported here so that the attribute walk below finds it
-    import torch.utils._python_dispatch  # noqa: F401
+    import torch.utils._python_dispatch
 except ImportError:  # pragma: no cover - a torch without it disables the direct path (see _resolve)
     pass
 
