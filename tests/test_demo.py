@@ -51,3 +51,35 @@ def test_stdlib_corpus_is_deterministic_text():
     b = Batches(text, 16, 4, seed=5).next_train()
     assert all(map(lambda u, v: bool((u == v).all()), a, b))
     assert bool((a[0][:, 1:] == a[1][:, :-1]).all())  # targets are the inputs shifted by one byte
+
+
+def _history(diffs, grad_error=1e-6):
+    from gradops.demo.training import History
+
+    base = [3.0 - 0.001 * i for i in range(len(diffs))]
+    return History(gradops_loss=[b + d for b, d in zip(base, diffs)], torch_loss=base, grad_error=grad_error)
+
+
+def test_runs_that_part_after_a_routing_flip_agree():
+    """The measured shape of two valid float32 runs: ulps, then +-2e-3 per batch in either direction."""
+    from gradops.demo.report import agreement, drift
+
+    diffs = [2.4e-7] * 60 + [(2e-3 if i % 3 else -2.5e-3) for i in range(240)]
+    assert drift(_history(diffs))[0] < 1e-3
+    assert agreement(_history(diffs))[2]
+
+
+def test_a_systematic_difference_disagrees_even_within_the_per_step_bound():
+    from gradops.demo.report import DRIFT_TOLERANCE, agreement, drift, loss_tolerance
+
+    diffs = [min(2e-3, loss_tolerance(i) / 2) for i in range(300)]  # every step within its bound, all one sign
+    assert all(d <= loss_tolerance(i) for i, d in enumerate(diffs))
+    mean, start = drift(_history(diffs))
+    assert mean > DRIFT_TOLERANCE and start > 0
+    assert not agreement(_history(diffs))[2]
+
+
+def test_a_wrong_step_0_gradient_disagrees():
+    from gradops.demo.report import agreement
+
+    assert not agreement(_history([0.0] * 10, grad_error=1e-3))[2]

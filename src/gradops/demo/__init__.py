@@ -16,7 +16,17 @@ import torch
 from .. import backend
 from .data import Batches, load_text
 from .model import Config, build_pair
-from .report import GRAD_TOLERANCE, agreement, loss_tolerance, plot, step_time_ratio, write_csv
+from .report import (
+    DRIFT_TOLERANCE,
+    DRIFT_WINDOW,
+    GRAD_TOLERANCE,
+    agreement,
+    drift,
+    loss_tolerance,
+    plot,
+    step_time_ratio,
+    write_csv,
+)
 from .training import train
 
 #: The operators one training step runs (forward ops and the backward ops their autograd calls).
@@ -85,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(hist.torch_loss[-10:]) / len(hist.torch_loss[-10:]):.3f}")
     print(f"held-out loss: gradops {hist.val['gradops']:.4f}, torch {hist.val['torch']:.4f}")
     print(f"step-0 gradients: largest relative difference {hist.grad_error:.1e} (tolerance {GRAD_TOLERANCE:.0e})")
+    mean, start = drift(hist)
+    print(f"largest mean loss difference over {DRIFT_WINDOW} steps: {mean:.1e} from step {start} (tolerance "
+          f"{DRIFT_TOLERANCE:.0e})")
     print(f"largest |loss difference|: {worst:.2e} at step {at} (tolerance there {loss_tolerance(at):.1e}): "
           f"{'agree' if agree else 'DISAGREE'}")
     print("  (by design gradops' hardswish gradient at exactly x = +-3 is CANN's -0.5 / 1.5 where torch >= 2.8 "

@@ -13,18 +13,29 @@ WARMUP_STEPS = 5
 
 
 def loss_tolerance(step: int) -> float:
-    """Allowed ``|loss_gradops - loss_torch|`` (nats) at ``step``.
+    """Allowed ``|loss_gradops - loss_torch|`` (nats) at ``step``: ``1e-4 + 1e-4 * step``, at most 2e-2.
 
     Both runs compute in float32 but reduce in different orders: at first the losses agree to one float32 ulp
-    (2.4e-7 nats at a loss of 2-4). Each optimizer step feeds the differences back into the weights and
-    training amplifies them (measured, default run: <= 1 ulp up to step ~170, then growth to a 1e-4 - 1e-3
-    nats floor, the spread of two almost equal models on one batch; largest 5.9e-4 in 300 steps and 2.1e-3 in
-    500). The bound grows linearly instead: 1e-4 plus 2e-5 per step (6.1e-3 nats at step 300, 0.2% of the
-    loss), at least 5x above every measured run. A wrong gradient term separates the curves by 1e-2 within
-    tens of steps, above it; the step-0 gradient check (GRAD_TOLERANCE) catches it directly.
+    (2.4e-7 nats at a loss of 2-4). Each optimizer step feeds the differences back into the weights until, some
+    tens of steps in, a router logit that nearly ties flips one token's top-k expert in one run and not the
+    other; from then on the two runs are two almost equal models whose losses on one batch differ by ~1e-3
+    (0.1% of the loss) in either direction. The same happens between two plain-PyTorch runs whose initial
+    weights differ by one ulp. Measured at the default size over 300 steps (2026-11-23): gradops vs torch, seeds
+    0-2, largest differences 4.0e-3 (step 179), 1.6e-3 (238), 7.6e-3 (278); torch vs 1-ulp-perturbed torch,
+    seeds 0-5, 2.6e-3, 1.2e-4, 2.3e-3, 6.4e-4, 1.3e-3, 3.3e-3. The steepest of them, 7.6e-3 by step 278, is a
+    slope of 2.7e-5 per step; the bound's 1e-4 per step is 3.7x that. (An earlier bound of 2e-5 per step came
+    from one run and failed seeds 0 and 2.) Whether the runs train alike is :func:`drift`'s question; whether
+    every backward is right is the step-0 gradient check's (GRAD_TOLERANCE).
     """
-    return 1e-4 + 2e-5 * step
+    return min(1e-4 + 1e-4 * step, 2e-2)
 
+
+#: Largest allowed mean of ``loss_gradops - loss_torch`` over a window of DRIFT_WINDOW steps. After the runs
+#: part, their per-batch differences change sign from batch to batch and average out; a backward that is wrong
+#: by a little (a term scaled, a row dropped) trains worse on every batch and its mean difference grows.
+#: Measured (the runs above): window means at most 2.7e-4 gradops vs torch, 9.8e-5 torch vs torch; 1e-3 is 3.7x.
+DRIFT_WINDOW = 50
+DRIFT_TOLERANCE = 1e-3
 
 #: Largest relative gradient difference allowed at step 0 (before any update). Both runs reduce in float32 in
 #: different orders; over a reduction of n = 1024 rows the rounding error is about eps * sqrt(n) = 1.2e-7 * 32 =
@@ -32,12 +43,22 @@ def loss_tolerance(step: int) -> float:
 GRAD_TOLERANCE = 1e-4
 
 
+def drift(hist: History) -> tuple[float, int]:
+    """``(largest |mean of loss_gradops - loss_torch| over a DRIFT_WINDOW-step window, the window's first
+    step)``; windows start every DRIFT_WINDOW steps (the last one may be shorter)."""
+    diffs = [g - t for g, t in zip(hist.gradops_loss, hist.torch_loss)]
+    means = [(abs(sum(diffs[i:i + DRIFT_WINDOW]) / len(diffs[i:i + DRIFT_WINDOW])), i)
+             for i in range(0, len(diffs), DRIFT_WINDOW)]
+    return max(means)
+
+
 def agreement(hist: History) -> tuple[float, int, bool]:
-    """``(largest |diff|, its step, every step within loss_tolerance and step-0 gradients within
-    GRAD_TOLERANCE)``."""
+    """``(largest |diff|, its step, every step within loss_tolerance, every window's mean difference within
+    DRIFT_TOLERANCE and step-0 gradients within GRAD_TOLERANCE)``."""
     diffs = [abs(g - t) for g, t in zip(hist.gradops_loss, hist.torch_loss)]
     worst = max(range(len(diffs)), key=diffs.__getitem__)
-    ok = all(d <= loss_tolerance(i) for i, d in enumerate(diffs)) and hist.grad_error <= GRAD_TOLERANCE
+    ok = (all(d <= loss_tolerance(i) for i, d in enumerate(diffs)) and drift(hist)[0] <= DRIFT_TOLERANCE
+          and hist.grad_error <= GRAD_TOLERANCE)
     return diffs[worst], worst, ok
 
 
