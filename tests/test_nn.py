@@ -288,3 +288,16 @@ def test_moe_unpermute_refuses_duplicate_indices_with_161002(with_probs):
     with pytest.raises(gradops.OpError) as info:
         gnn.moe_token_unpermute(permuted, duplicated, probs if with_probs else None)
     assert info.value.status == 161002 and info.value.arg == "sorted_indices"
+
+
+def test_module_refusals_are_op_errors_naming_the_argument():
+    """Issue 12.3: the nn layer refuses in the library's terms (OpError, a ValueError, with CANN's status)."""
+    from gradops.status import ACLNN_ERR_PARAM_INVALID, OpError
+
+    with pytest.raises(OpError) as info:
+        gnn.LayerNorm(8)(torch.randn(2, 7))
+    assert (info.value.status, info.value.op, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "layer_norm", "x.shape")
+    permuted, sorted_indices = gradops.moe_token_permute(torch.randn(4, 3), torch.randint(0, 2, (4, 2)))
+    with pytest.raises(OpError) as info:
+        gnn.moe_token_unpermute(permuted, sorted_indices, torch.rand(4, 3))
+    assert (info.value.status, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "probs")

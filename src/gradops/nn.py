@@ -54,8 +54,9 @@ class LayerNorm(torch.nn.LayerNorm):
         for s in self.normalized_shape:
             n *= s
         if x.dim() < nd or tuple(x.shape[x.dim() - nd:]) != tuple(self.normalized_shape):
-            raise ValueError(f"LayerNorm: input of shape {tuple(x.shape)} does not end with normalized_shape "
-                             f"{tuple(self.normalized_shape)}")
+            raise OpError(ACLNN_ERR_PARAM_INVALID, "layer_norm", "x.shape",
+                          f"a shape ending with normalized_shape {tuple(self.normalized_shape)}",
+                          str(tuple(x.shape)))
         flat = x.reshape(*x.shape[: x.dim() - nd], n)
         gamma = self.weight.reshape(n) if self.weight is not None else x.new_ones(n)
         beta = self.bias.reshape(n) if self.bias is not None else x.new_zeros(n)
@@ -151,8 +152,9 @@ def _topk(sorted_indices: Tensor, probs: Tensor | None) -> int:
     if probs is None:
         return 1
     if probs.dim() != 2 or probs.numel() != sorted_indices.numel():
-        raise ValueError(f"moe_token_unpermute: probs must be (T, K) with T*K = sorted_indices.numel() = "
-                         f"{sorted_indices.numel()}, got shape {tuple(probs.shape)}")
+        raise OpError(ACLNN_ERR_PARAM_INVALID, "moe_token_unpermute", "probs",
+                      f"of shape (T, K) with T*K = sorted_indices.numel() = {sorted_indices.numel()}",
+                      f"shape {tuple(probs.shape)}")
     return probs.shape[1]
 
 
