@@ -1,5 +1,5 @@
 """Host-side tiling of AscendC LayerNormGradBeta (cannmirror/asc-devkit
-``impl/adv_api/tiling/normalization/layernorm_grad_beta_tiling_impl.cpp``; semantics.md §4).
+``impl/adv_api/tiling/normalization/layernorm_grad_beta_tiling_impl.cpp``; docs/semantics.md §4).
 
 The tiling cuts the B*S*H input into ``loopRound`` chunks of ``oneCalSize`` elements (a whole number of rows)
 plus a tail of ``inputTailSize`` elements, sized so that a chunk's float32 temporaries fit the stack buffer:

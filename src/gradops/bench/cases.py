@@ -13,7 +13,7 @@ Providers (all compute the same gradients from the same inputs):
 - ``liger``: Liger-Kernel's autograd function where it has the op (GPU only, when importable);
 - ``copy_``: ``dst.copy_(src)`` of the op's largest tensor, the bandwidth yardstick of the same run.
 
-Byte floors (s = element size, what each GB/s figure divides by; see performance.md §1.2):
+Byte floors (s = element size, what each GB/s figure divides by; see docs/performance.md §1.2):
 
 - rms_norm_grad: ``M·N·3s + 4M + N·(s + 4)``
 - layer_norm_backward (fused): ``M·N·3s + 8M + N·(s + 8)``

@@ -2,7 +2,7 @@
 
 Sources: the seed (004), hicann/ops-transformer ``moe/moe_token_permute{,_grad}`` op defs and docs. CANN checks
 little beyond dtypes and leaves bad shapes undefined; gradops refuses them with 161002 (the choice recommended in
-semantics.md §5), and refuses sorted indices outside ``[0, T*K)`` before any kernel reads with them.
+docs/semantics.md §5), and refuses sorted indices outside ``[0, T*K)`` before any kernel reads with them.
 """
 
 from __future__ import annotations

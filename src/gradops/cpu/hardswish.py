@@ -18,7 +18,7 @@ from ._numeric import FASTMATH, ld, st
 #: Elements per parallel task: 64 Ki x 4 B = 256 KiB per input stream, large enough to amortize the task
 #: start, small enough that 32M elements give 512 tasks to balance over the threads.
 _CHUNK = 1 << 16
-#: float32(1/3) = 0.33333334f, CANN's constant (semantics.md §3).
+#: float32(1/3) = 0.33333334f, CANN's constant (docs/semantics.md §3).
 _THIRD = np.float32(0.3333333432674408)
 
 

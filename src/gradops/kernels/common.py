@@ -14,7 +14,7 @@ import triton.language as tl
 #: Widest row (elements) kept whole in registers. 8192 columns with 16 warps is 16 values per thread per tensor
 #: (dy, x, the fp32 dgamma accumulator): no spills. Wider rows loop over column blocks of LOOP_BLOCK_N instead of
 #: growing the tile (Liger's and flash-attn's single-tile kernels spill and collapse near 64k columns,
-#: performance.md §4). To be re-tuned on H100/H200 (pending: no GPU in the session that wrote this).
+#: docs/performance.md §4). To be re-tuned on H100/H200 (pending: no GPU in the session that wrote this).
 MAX_FUSED_N = 8192
 LOOP_BLOCK_N = 4096
 #: Elements per register tile for narrow rows: several rows per tile so that a tile has >= 2048 elements

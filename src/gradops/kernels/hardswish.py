@@ -26,7 +26,7 @@ def _hardswish(x):
 def _hardswish_grad(g, x):
     """``0`` if x < -3; ``g * (x * 0.33333334 + 0.5)`` if -3 <= x <= 3 (closed: d(-3) = -0.5, d(3) = 1.5);
     ``g`` above 3 and for NaN x (both comparisons false), as CANN's 950 kernel. The literal is float32(1/3) =
-    0.33333334f, CANN's constant (semantics.md §3); Triton rounds Python float literals to fp32."""
+    0.33333334f, CANN's constant (docs/semantics.md §3); Triton rounds Python float literals to fp32."""
     return tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, g * (x * 0.3333333432674408 + 0.5), g))
 
 

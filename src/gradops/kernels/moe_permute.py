@@ -10,7 +10,7 @@ import triton.language as tl
 def moe_blocks(hidden: int, block_h: int | None = None) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_H, num_warps)``: up to 2048 columns per program (4 KB of bf16 per gathered row), and
     several tokens per program for narrow rows so a step keeps >= 2048 elements (BLOCK_T independent row
-    gathers) in flight; gathers are latency bound (TileOPs measured, performance.md §2.5). Pending H100 tuning."""
+    gathers) in flight; gathers are latency bound (TileOPs measured, docs/performance.md §2.5). Pending H100 tuning."""
     block_h = block_h or min(2048, triton.next_power_of_2(max(hidden, 1)))
     block_t = max(1, min(16, 2048 // block_h))
     return block_t, block_h, 4 if block_t * block_h <= 1024 else 8

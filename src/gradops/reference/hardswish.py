@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: float32(1/3) = 0.33333334f, the constant CANN's kernels multiply by (semantics.md §3).
+#: float32(1/3) = 0.33333334f, the constant CANN's kernels multiply by (docs/semantics.md §3).
 ONE_THIRD = 0.3333333432674408
 
 

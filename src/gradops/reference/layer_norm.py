@@ -1,6 +1,6 @@
 """LayerNorm, LayerNormGrad, LayerNormGradBeta and the fused backward in pure torch.
 
-LayerNormGrad follows AscendC's formula term by term (hiascend LayerNormGrad, semantics.md §4), including the
+LayerNormGrad follows AscendC's formula term by term (hiascend LayerNormGrad, docs/semantics.md §4), including the
 ``sum(x - mean)`` term that vanishes only when ``mean`` really is the row mean: CANN applies it literally, so
 does gradops. With consistent statistics the result equals PyTorch's ``native_layer_norm_backward``.
 """
