@@ -1,7 +1,9 @@
 """torch.library operators (namespace ``gradops``) and the public functions that call them.
 
-Each op body is that op's single dispatch point: validate (the contract), pick a backend
-(:func:`gradops.backend.choose`), reshape to the backend's 2-D view, run.
+Each op body dispatches the functional call: validate (the contract, remembered per argument metadata), pick a
+backend (:func:`gradops.backend.choose`), view in the backend's 2-D shape, run. The ``out=`` path and the CANN
+surfaces (:mod:`gradops.aclnn`, :mod:`gradops.ascendc`) use the same contract and backend decision but do their
+own validation call and reshaping.
 """
 
 from .embedding import embedding, embedding_dense_backward
