@@ -78,3 +78,70 @@ def test_padding_idx_beyond_int64_means_none(backend):
     expected = gradops.embedding_dense_backward(grad, idx, 4, -1)
     for padding_idx in (2**64 - 1, 2**63, 10**30, -(2**70)):  # a uint64 pattern or any out-of-table value
         assert torch.equal(gradops.embedding_dense_backward(grad, idx, 4, padding_idx), expected)
+
+
+# ---------------------------------------------------------------- LayerNorm statistics (issue 12.5)
+def _ln_stats(backend_name, monkeypatch):
+    monkeypatch.setenv("GRADOPS_BACKEND", backend_name)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 16, generator=g) + 0.5
+    dy, gamma = torch.randn(6, 16, generator=g), torch.randn(16, generator=g)
+    mean, var = x.mean(-1), x.var(-1, unbiased=False)
+    mean[2] = -0.25  # a mean below -epsilon gives a swapped pair away
+    return dy, x, mean, var, gamma
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_swapped_layer_norm_statistics_are_refused_on_every_path(backend_name, monkeypatch):
+    from gradops.status import ACLNN_ERR_PARAM_INVALID, OpError
+
+    if backend_name == "cpu" and not gradops.backend.usable("cpu", torch.device("cpu"))[0]:
+        pytest.skip("numba is not installed")
+    dy, x, mean, var, gamma = _ln_stats(backend_name, monkeypatch)
+    calls = {
+        "public": lambda: gradops.layer_norm_grad(dy, x, mean, var, gamma),  # swapped: mean where variance goes
+        "op": lambda: torch.ops.gradops.layer_norm_grad(dy, x, mean, var, gamma, 1e-5),
+        "out=": lambda: gradops.layer_norm_grad(dy, x, mean, var, gamma, out=(torch.empty_like(x),
+                                                                               torch.empty_like(x))),
+    }
+    for path, call in calls.items():
+        with pytest.raises(OpError, match=r"variance.*swapped.*-0\.25 at row 2") as info:
+            call()
+        assert info.value.status == ACLNN_ERR_PARAM_INVALID and info.value.arg == "variance", path
+    rstd = torch.rsqrt(var + 1e-5)
+    for call in (lambda: gradops.layer_norm_backward(dy, x, rstd, mean, gamma),
+                 lambda: torch.ops.gradops.layer_norm_backward(dy, x, rstd, mean, gamma)):
+        with pytest.raises(OpError, match=r"rstd.*-0\.25 at row 2") as info:
+            call()
+        assert info.value.arg == "rstd"
+
+
+def test_layer_norm_statistics_by_keyword_equal_the_positional_cann_order(monkeypatch):
+    dy, x, mean, var, gamma = _ln_stats("torch", monkeypatch)
+    mean = x.mean(-1)
+    positional = gradops.layer_norm_grad(dy, x, var, mean, gamma)
+    keyword = gradops.layer_norm_grad(dy, x, mean=mean, variance=var, gamma=gamma)
+    assert all(torch.equal(a, b) for a, b in zip(positional, keyword))
+
+
+def test_a_variance_within_epsilon_below_zero_is_computed_as_cann_does(monkeypatch):
+    """E[x^2] - E[x]^2 can come out a rounding below zero for a constant row: still a usable variance."""
+    dy, x, _, var, gamma = _ln_stats("torch", monkeypatch)
+    var[0] = -1e-9
+    pdx, res = gradops.layer_norm_grad(dy, x, var, x.mean(-1), gamma)
+    assert torch.isfinite(pdx).all() and torch.isfinite(res).all()
+
+
+def test_the_autograd_backward_skips_the_statistics_check_its_forward_makes_unnecessary(monkeypatch):
+    import importlib
+
+    ln = importlib.import_module("gradops.ops.layer_norm")
+    calls = []
+    real = ln.checked_statistic
+    monkeypatch.setattr(ln, "checked_statistic", lambda *a: calls.append(a[1]) or real(*a))
+    x = torch.randn(4, 8, requires_grad=True)
+    gradops.layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5)[0].square().sum().backward()
+    assert calls == [] and x.grad is not None
+    with torch.profiler.profile():  # through the op: checked, as any direct call of the backward op
+        gradops.layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5)[0].square().sum().backward()
+    assert calls == ["rstd"]

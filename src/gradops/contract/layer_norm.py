@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ..status import OpError
 from ._common import (
     FLOATS,
     MAX_RANK,
@@ -119,3 +120,37 @@ def check_layer_norm_grad_beta(res_for_gamma, dy, *, cann: bool = False) -> Laye
     require_rank(op, "dy", dy, 1, MAX_RANK)
     require_shape(op, "res_for_gamma", res_for_gamma, dy.shape, "the shape of dy")
     return LayerNormPlan(numel(dy.shape[:-1]), dy.shape[-1])
+
+
+def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) -> None:
+    """Refuse a LayerNorm statistic the formula cannot use (161002): ``values + floor < 0`` anywhere, i.e. a
+    variance below ``-epsilon`` (``(variance + epsilon)^-0.5`` would be NaN) or, with ``floor = 0``, a negative
+    rstd (``(variance + eps)^-0.5`` never is). The statistics are float32 tensors of one shape, so a swapped pair
+    - :func:`gradops.layer_norm` returns ``(mean, variance)``, LayerNormGrad takes ``(variance, mean)`` - passes
+    every metadata check; its values give it away as soon as one mean is below ``-epsilon``. NaN passes (computed
+    with, as CANN does). Passing the statistics by keyword (``variance=..., mean=...``) avoids the swap.
+
+    Cost: one reduction and, on the CPU, one read of its result (~3 µs at small sizes). On CUDA the answer is
+    checked without a host synchronisation when the Triton launchers are present
+    (:func:`gradops.launch._common.guard`: raised by the next gradops launch or ``gradops.synchronize()``).
+    """
+    if values.numel() == 0:
+        return
+
+    def error() -> OpError:
+        flat = values.reshape(-1)
+        pos = int(((flat.float() + floor) < 0).nonzero()[0, 0])
+        what = ("a variance, >= -epsilon (were mean and variance swapped? LayerNormGrad takes variance first)"
+                if floor else "an rstd = (variance + epsilon)^-0.5, >= 0 (was mean passed as rstd?)")
+        return fail(INVALID, op, name, what, f"{flat[pos].item()} at row {pos}")
+
+    if values.device.type == "cuda":
+        try:
+            from ..launch._common import guard
+        except ImportError:  # no Triton: the reference runs, and this check synchronises once
+            guard = None
+        if guard is not None:
+            guard((values.float() + floor < 0).any(), error)
+            return
+    if float(values.min()) + floor < 0:
+        raise error()

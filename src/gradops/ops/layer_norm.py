@@ -8,7 +8,8 @@ from torch import Tensor
 from ..backend import choose
 from ..contract import layer_norm as contract
 from ..contract._memo import remembered
-from ._direct import DirectOp, fit, own
+from ..contract.layer_norm import checked_statistic
+from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, refuse_autograd, run_into
 
 # The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
@@ -40,6 +41,7 @@ def _(x, gamma, beta, epsilon):
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                           epsilon: float) -> tuple[Tensor, Tensor]:
     rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+    checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
     impl = choose("layer_norm_grad", x.device).fn
     pdx, res = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)),
                     gamma, epsilon)
@@ -72,6 +74,14 @@ def _(res_for_gamma, dy):
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                               gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    check_layer_norm_backward(dy, x, mean, rstd, gamma)
+    checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
+    return _layer_norm_backward_run(dy, x, mean, rstd, gamma)
+
+
+def _layer_norm_backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                             gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The body after its data check (the autograd backward's rstd comes from this op's own forward)."""
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
     impl = choose("layer_norm_backward", x.device).fn
     dx, dgamma, dbeta = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
@@ -103,7 +113,11 @@ def _backward(ctx, dy, dmean, dvar):
     if dy is None and dmean is None and dvar is None:
         return None, None, None, None
     rstd = torch.rsqrt(var + ctx.epsilon)
-    dx, dgamma, dbeta = _layer_norm_backward(dy if dy is not None else torch.zeros_like(x), x, mean, rstd, gamma)
+    args = (dy if dy is not None else torch.zeros_like(x), x, mean, rstd, gamma)
+    # rstd = (var + eps)^-0.5 from this op's own forward is never negative: no data check (on CUDA, no flag to
+    # carry) when the call runs eagerly; through the op (tracing, modes) the op checks as any direct call does.
+    run = _layer_norm_backward_run if eager_path(*args) == BODY else _layer_norm_backward
+    dx, dgamma, dbeta = run(*args)
     if dmean is not None or dvar is not None:  # statistics used downstream: dmean/dx = 1/H, dvar/dx = 2(x-mean)/H
         h = x.shape[-1]
         extra = x.new_zeros(x.shape, dtype=torch.float32)
@@ -151,9 +165,14 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     :mod:`gradops.reference.layer_norm`); ``res_for_gamma = (x - mean) * rstd`` feeds
     :func:`layer_norm_grad_beta`. Both results in x's dtype. mean and variance: float32 or x's dtype, shape
     ``x.shape[:-1]`` (or keepdim). ``out``: optional preallocated ``(pdx, res_for_gamma)``.
+
+    The statistics come in AscendC's order, variance before mean, where :func:`layer_norm` returns
+    ``(y, mean, variance)``: pass them by keyword (``layer_norm_grad(dy, x, variance=var, mean=mean, gamma=g)``)
+    to keep them apart. A variance below ``-epsilon`` (a swapped mean, typically) is refused with OpError 161002.
     """
     if out is not None:
         rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+        checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows), gamma,
                 epsilon)
         return _into("layer_norm_grad", x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2, dy=dy, x=x,
@@ -180,10 +199,13 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     ``out``: optional preallocated ``(dx, dgamma, dbeta)`` (see :mod:`gradops.ops._out`).
 
     Returns:
-        ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``.
+        ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``
+        (not the variance :func:`layer_norm` returns); a negative rstd (a mean passed in its place, typically) is
+        refused with OpError 161002.
     """
     if out is not None:
         rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
+        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
         grads = (gamma.shape, torch.float32)
         return _into("layer_norm_backward", x.device, args, out, [(x.shape, x.dtype), grads, grads],
