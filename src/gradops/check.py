@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from . import backend, reference
 from .env import devices
+from .registry import NAMES
 
 F32, F64 = torch.float32, torch.float64
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -109,8 +110,7 @@ def _cases(op: str, dtype: torch.dtype, device: torch.device, m: int, n: int, ge
     return Case((grad, perm, k), (grad, perm, k), (k,), index_add)
 
 
-OPS = ("rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_backward",
-       "hardswish", "hardswish_backward", "embedding_dense_backward", "moe_token_permute", "moe_token_permute_grad")
+OPS = NAMES  # every operator of gradops.registry
 
 
 def _f64(a):

@@ -10,9 +10,9 @@ import platform
 import torch
 
 from . import backend
+from .registry import NAMES
 
-OPS = ("rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_backward",
-       "hardswish", "hardswish_backward", "embedding_dense_backward", "moe_token_permute", "moe_token_permute_grad")
+OPS = NAMES  # every operator of gradops.registry
 
 
 def _version(pkg: str) -> str:

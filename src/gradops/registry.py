@@ -1,0 +1,35 @@
+"""The operators: one list that the command line (``check``, ``env``), the tests and the backends' coverage read.
+
+Each entry is an operator every backend implements under the same name (``gradops.reference``, ``gradops.cpu``,
+``gradops.launch``; a backend that lacks one leaves it to the reference, see :mod:`gradops.backend`) and that the
+package exports as a public function of that name. ``gradops.embedding`` (the lookup, a gather with its
+backward attached) is not here: no backend implements it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Op(NamedTuple):
+    name: str  # the public function and every backend's function
+    cann: str  # what CANN calls it
+    backward: bool  # a backward operator (the forwards produce their inputs)
+
+
+OPS: tuple[Op, ...] = (
+    Op("rms_norm", "aclnnRmsNorm", False),
+    Op("rms_norm_grad", "aclnnRmsNormGrad", True),
+    Op("layer_norm", "AscendC LayerNorm", False),
+    Op("layer_norm_grad", "AscendC LayerNormGrad", True),
+    Op("layer_norm_grad_beta", "AscendC LayerNormGradBeta", True),
+    Op("layer_norm_backward", "LayerNormGrad + LayerNormGradBeta fused", True),
+    Op("hardswish", "aclnnHardswish", False),
+    Op("hardswish_backward", "aclnnHardswishBackward", True),
+    Op("embedding_dense_backward", "aclnnEmbeddingDenseBackward", True),
+    Op("moe_token_permute", "aclnnMoeTokenPermute", False),
+    Op("moe_token_permute_grad", "aclnnMoeTokenPermuteGrad", True),
+)
+
+#: The names, in the order above.
+NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
