@@ -81,3 +81,20 @@ def test_per_call_times_every_public_function_beside_its_op_path_and_aten(tmp_pa
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert {r["function"] for r in rows} >= set(backwards)
     assert all(r["gradops_us"] > 0 and r["op_path_us"] > 0 and r["torch"] == torch.__version__ for r in rows)
+
+
+def test_sweep_times_each_module_against_torch_and_writes_jsonl(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    sweep = importlib.import_module("gradops.bench.sweep")
+    monkeypatch.setattr(sweep, "SIZES", ((8, 8), (16, 32)))
+    monkeypatch.setattr(sweep, "VOCAB", 50)
+    assert main(["bench", "--sweep", "--dtype", "fp32", "--budget", "0.01", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for module in sweep.MODULES:
+        assert f"\n{module} " in out, module
+    (path,) = tmp_path.glob("sweep-cpu-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {(r["module"], r["rows"], r["cols"]) for r in rows} == {(m, r, c) for m in sweep.MODULES
+                                                                   for r, c in ((8, 8), (16, 32))}
+    assert all(r["ratio"] == pytest.approx(r["gradops_us"] / r["torch_us"], rel=1e-2) for r in rows)

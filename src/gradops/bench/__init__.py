@@ -5,10 +5,11 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 (fresh outputs, and ``out=`` preallocated) over each peer. Results are appended as JSON lines to
 ``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
 
-``--per-call`` instead measures what one call of each public function costs at 8 x 8 fp32 (direct path, through
-the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost`` instead measures the first-call cost
-of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and with the cache that run
-filled (cached).
+``--sweep`` instead times each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, from 8 x 8
+to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--per-call`` measures what one call of each public function costs
+at 8 x 8 fp32 (direct path, through the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost``
+measures the first-call cost of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and
+with the cache that run filled (cached).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the CPU kernels' first-call compile cost, cold and cached, and exit")
     parser.add_argument("--per-call", action="store_true",
                         help="measure every public function's per-call cost at 8 x 8 fp32 against ATen, and exit")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every gradops.nn module against torch.nn (forward + backward) from 8 x 8 to "
+                        "4096 x 1024, and exit")
+    parser.add_argument("--sweep-compile", action="store_true",
+                        help="with --sweep: also torch.compile(torch module) (dynamic shapes)")
 
 
 def _version(pkg: str) -> str | None:
@@ -98,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     if args.per_call:
         from .per_call import measure as per_call
         return per_call(None if args.no_save else args.results)
+    if args.sweep:
+        from . import sweep
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtypes = args.dtype or ["fp32", "bf16"]
+        return sweep.run(device, [d for d in dtypes if d in sweep.DTYPES], args.sweep_compile,
+                         min(args.budget, 2.0), None if args.no_save else args.results, environment(device))
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("gradops bench: TRITON_INTERPRET=1 would time the interpreter; unset it", file=sys.stderr)
         return 2
