@@ -98,3 +98,14 @@ def test_sweep_times_each_module_against_torch_and_writes_jsonl(tmp_path, capsys
     assert {(r["module"], r["rows"], r["cols"]) for r in rows} == {(m, r, c) for m in sweep.MODULES
                                                                    for r, c in ((8, 8), (16, 32))}
     assert all(r["ratio"] == pytest.approx(r["gradops_us"] / r["torch_us"], rel=1e-2) for r in rows)
+
+
+def test_sweep_with_compile_adds_the_compiled_twin(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    sweep = importlib.import_module("gradops.bench.sweep")
+    monkeypatch.setattr(sweep, "SIZES", ((8, 8),))
+    monkeypatch.setattr(sweep, "MODULES", ("Hardswish",))
+    assert main(["bench", "--sweep", "--sweep-compile", "--dtype", "fp32", "--budget", "0.01", "--no-save"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Hardswish"))
+    assert len(line.split()) == 8  # module, size, dtype, gradops, torch, ratio, compile, ratio
