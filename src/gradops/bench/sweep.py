@@ -64,7 +64,7 @@ def _time(cases: dict[str, Callable[[], None]], budget_s: float, sync: Callable[
         for _ in range(3):
             fn()
     sync()
-    # calls per round: about 20 ms of the slowest case, at least 2
+    # calls per round: about 20 ms of an average case (from one probe round), at least 2
     start = time.perf_counter()
     for fn in cases.values():
         fn()
