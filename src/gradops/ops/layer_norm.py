@@ -74,15 +74,16 @@ def _(res_for_gamma, dy):
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                               gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    check_layer_norm_backward(dy, x, mean, rstd, gamma)
-    checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     return _layer_norm_backward_run(dy, x, mean, rstd, gamma)
 
 
-def _layer_norm_backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
-                             gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The body after its data check (the autograd backward's rstd comes from this op's own forward)."""
+def _layer_norm_backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
+                             own_forward: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The body; ``own_forward``: rstd comes from this op's own forward (never negative), so its data check is
+    skipped."""
     rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
+    if not own_forward:
+        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     impl = choose("layer_norm_backward", x.device).fn
     dx, dgamma, dbeta = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
                              gamma)
@@ -116,8 +117,10 @@ def _backward(ctx, dy, dmean, dvar):
     args = (dy if dy is not None else torch.zeros_like(x), x, mean, rstd, gamma)
     # rstd = (var + eps)^-0.5 from this op's own forward is never negative: no data check (on CUDA, no flag to
     # carry) when the call runs eagerly; through the op (tracing, modes) the op checks as any direct call does.
-    run = _layer_norm_backward_run if eager_path(*args) == BODY else _layer_norm_backward
-    dx, dgamma, dbeta = run(*args)
+    if eager_path(*args) == BODY:
+        dx, dgamma, dbeta = _layer_norm_backward_run(*args, own_forward=True)
+    else:
+        dx, dgamma, dbeta = _layer_norm_backward(*args)
     if dmean is not None or dvar is not None:  # statistics used downstream: dmean/dx = 1/H, dvar/dx = 2(x-mean)/H
         h = x.shape[-1]
         extra = x.new_zeros(x.shape, dtype=torch.float32)
