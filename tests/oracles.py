@@ -140,12 +140,47 @@ def _moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=False):
     return (out,), (num_topk,)
 
 
+def _unpermute_parts(permuted, sorted_indices, probs):
+    rows = permuted.shape[0]
+    k = 1 if probs is None else probs.shape[1]
+    t = sorted_indices.numel() // k
+    weights = torch.ones(t, k, dtype=F64) if probs is None else probs.to(F64).cpu()
+    return rows, k, t, sorted_indices.long().cpu().tolist(), weights
+
+
+def _moe_token_unpermute(permuted, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    """``out[t] = sum_k probs[t, k] * permuted[sorted_indices[t*K + k]]``; a row >= A (dropped) adds nothing."""
+    rows, k, t, src, weights = _unpermute_parts(permuted, sorted_indices, probs)
+    X = permuted.to(F64).cpu()
+    out = torch.zeros(t, permuted.shape[1], dtype=F64)
+    for i, r in enumerate(src):
+        if r < rows:
+            out[i // k] += weights[i // k, i % k] * X[r]
+    return (out.to(permuted.device),), (k,)
+
+
+def _moe_token_unpermute_grad(permuted, grad, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    """``d_permuted[s[i]] = grad[i // K] * probs.flat[i]``, ``d_probs[t, k] = grad[t] . permuted[s[t*K + k]]``."""
+    rows, k, t, src, weights = _unpermute_parts(permuted, sorted_indices, probs)
+    X, G = permuted.to(F64).cpu(), grad.to(F64).cpu()
+    d_permuted = torch.zeros(rows, permuted.shape[1], dtype=F64)
+    d_probs = torch.zeros(t, k, dtype=F64)
+    for i, r in enumerate(src):
+        if r < rows:
+            d_permuted[r] = G[i // k] * weights[i // k, i % k]
+            d_probs[i // k, i % k] = (G[i // k] * X[r]).sum()
+    if probs is None:
+        d_probs = torch.empty(0, dtype=F64)
+    return (d_permuted.to(permuted.device), d_probs.to(permuted.device)), (1, permuted.shape[1])
+
+
 _ORACLES = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
     "layer_norm_backward": _layer_norm_backward, "hardswish": _hardswish, "hardswish_backward": _hardswish_backward,
     "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
-    "moe_token_permute_grad": _moe_token_permute_grad,
+    "moe_token_permute_grad": _moe_token_permute_grad, "moe_token_unpermute": _moe_token_unpermute,
+    "moe_token_unpermute_grad": _moe_token_unpermute_grad,
 }
 
 

@@ -266,12 +266,96 @@ def _moe_token_permute_grad(r, dtypes):
                                                         torch.tensor([0, 1], dtype=torch.int32, device=r.device), 2))
 
 
+# ---------------------------------------------------------------- MoE token unpermute
+def _unpermute_inputs(r, d, t, k, rows=None, probs_dtype=None):
+    """(permuted (rows, H=12), sorted_indices (T*K,) int32, probs (T, K)) for T tokens and top-k K."""
+    rows = t * k if rows is None else rows
+    return r.normal(rows, 12, dtype=d), r.perm(t * k), r.uniform(t, k, lo=0.0, hi=1.0, dtype=probs_dtype or d)
+
+
+def _convention_unpermute():
+    """Rows 0..3 hold 1, 10, 100, 1000; sorted_indices [2, 0, 3, 1]: token 0 takes rows 2 and 0 (101), token 1
+    rows 3 and 1 (1010). Megatron's convention (the inverse permutation [1, 3, 0, 2]) gives 1010 and 101."""
+    permuted = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
+    return permuted, torch.tensor([2, 0, 3, 1], dtype=torch.int32), torch.ones(2, 2)
+
+
+def _moe_token_unpermute(r, dtypes):
+    for d in FLOATS:
+        if not _wanted(d, dtypes):
+            continue
+        tag = str(d).removeprefix("torch.")
+        yield Sample(f"topk2-{tag}", "dtype", _unpermute_inputs(r, d, 16, 2))
+        yield Sample(f"no-probs-{tag}", "probs None: K = 1, the plain inverse gather", _unpermute_inputs(r, d, 10, 1)[:2])
+        if d != torch.float32:
+            yield Sample(f"float32-probs-{tag}", "probs' dtype independent of the tokens'",
+                         _unpermute_inputs(r, d, 8, 4, probs_dtype=torch.float32))
+    if not _wanted(torch.float32, dtypes):
+        return
+    f = torch.float32
+    perm64, idx64, probs64 = _unpermute_inputs(r, f, 6, 3)
+    yield Sample("int64-indices", "int64 sorted_indices", (perm64, idx64.long(), probs64))
+    yield Sample("topk8-wide", "K = 8, rows wider than a vector (130)",
+                 (r.normal(64, 130), r.perm(64), r.uniform(8, 8, lo=0.0, hi=1.0)))
+    yield Sample("topk5", "K not a multiple of the kernels' 4-row passes", _unpermute_inputs(r, f, 7, 5))
+    yield Sample("large-k", "K = 512", (r.normal(1024, 4), r.perm(1024), r.uniform(2, 512, lo=0.0, hi=1.0)))
+    yield Sample("dropped-rows", "A < T*K: indices >= A add nothing", _unpermute_inputs(r, f, 4, 4, rows=9))
+    yield Sample("all-dropped", "A = 0: every token 0", _unpermute_inputs(r, f, 4, 2, rows=0))
+    yield Sample("empty", "T = 0", _unpermute_inputs(r, f, 0, 2))
+    yield Sample("signed-probs", "negative and zero weights", (r.normal(12, 12), r.perm(12),
+                                                               r.normal(4, 3) * (r.uniform(4, 3, lo=0, hi=1) > 0.3)))
+    yield Sample("noncontig", "non-contiguous tokens and probs",
+                 (_transposed(r.normal(12, 9)), r.perm(12), _transposed(r.uniform(4, 3, lo=0.0, hi=1.0))))
+    yield Sample("convention", "distinguishes CANN's inverse permutation from Megatron's",
+                 tuple(t.to(r.device) for t in _convention_unpermute()))
+    yield Sample("cann-doc-example", "aclnnMoeTokenUnpermute's documented example: [[1, 2], [3, 4]] -> [[4, 6]]",
+                 (torch.tensor([[1.0, 2], [3, 4]], device=r.device), torch.tensor([0, 1], dtype=torch.int32,
+                                                                                  device=r.device),
+                  torch.ones(1, 2, device=r.device)))
+
+
+def _moe_token_unpermute_grad(r, dtypes):
+    def case(d, t, k, rows=None, probs=True, probs_dtype=None):
+        permuted, idx, p = _unpermute_inputs(r, d, t, k, rows, probs_dtype)
+        return (permuted, r.normal(t, 12, dtype=d), idx) + ((p,) if probs else ())
+
+    for d in FLOATS:
+        if not _wanted(d, dtypes):
+            continue
+        tag = str(d).removeprefix("torch.")
+        yield Sample(f"topk2-{tag}", "dtype", case(d, 16, 2))
+        yield Sample(f"no-probs-{tag}", "probs None: the gradient rows scattered back, no probs gradient",
+                     case(d, 10, 1, probs=False))
+        if d != torch.float32:
+            yield Sample(f"float32-probs-{tag}", "probs' gradient in probs' dtype",
+                         case(d, 8, 4, probs_dtype=torch.float32))
+    if not _wanted(torch.float32, dtypes):
+        return
+    f = torch.float32
+    permuted, grad, idx, p = case(f, 6, 3)
+    yield Sample("int64-indices", "int64 sorted_indices", (permuted, grad, idx.long(), p))
+    yield Sample("topk8-wide", "K = 8, rows wider than the 16 dot-product lanes (130)",
+                 (r.normal(64, 130), r.normal(8, 130), r.perm(64), r.uniform(8, 8, lo=0.0, hi=1.0)))
+    yield Sample("long-rows", "H = 4099: long fp32 dot products", (r.normal(6, 4099), r.normal(3, 4099), r.perm(6),
+                                                                     r.uniform(3, 2, lo=0.0, hi=1.0)))
+    yield Sample("dropped-rows", "A < T*K: dropped copies get probs gradient 0", case(f, 4, 4, rows=9))
+    yield Sample("all-dropped", "A = 0", case(f, 4, 2, rows=0))
+    yield Sample("empty", "T = 0", case(f, 0, 2))
+    yield Sample("noncontig", "non-contiguous tokens, gradient and probs",
+                 (_transposed(r.normal(12, 9)), _transposed(r.normal(4, 9)), r.perm(12),
+                  _transposed(r.uniform(4, 3, lo=0.0, hi=1.0))))
+    permuted, idx, probs = (t.to(r.device) for t in _convention_unpermute())
+    yield Sample("convention", "distinguishes CANN's inverse permutation from Megatron's",
+                 (permuted, torch.tensor([[1.0], [2.0]], device=r.device), idx, probs))
+
+
 _GENERATORS = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
     "layer_norm_backward": _layer_norm_backward, "hardswish": _hardswish, "hardswish_backward": _hardswish_backward,
     "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
-    "moe_token_permute_grad": _moe_token_permute_grad,
+    "moe_token_permute_grad": _moe_token_permute_grad, "moe_token_unpermute": _moe_token_unpermute,
+    "moe_token_unpermute_grad": _moe_token_unpermute_grad,
 }
 OPS = tuple(_GENERATORS)
 

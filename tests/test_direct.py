@@ -98,7 +98,9 @@ def test_watched_calls_go_through_the_op():
     assert any(e.name == "gradops::hardswish_backward" for e in prof.events()), "the profiler must see the op"
     seen = []
     torch.func.vmap(lambda row: seen.append(direct.eager_path(row)) or row)(x)
-    assert seen == [direct.OP]
+    torch.func.grad(lambda row: seen.append(direct.eager_path(row)) or row.sum())(x)
+    torch.func.jvp(lambda row: seen.append(direct.eager_path(row)) or row, (x,), (x,))
+    assert seen == [direct.OP, direct.FUNCTORCH, direct.FUNCTORCH]
 
 
 def test_jit_traces_keep_the_op():

@@ -130,6 +130,44 @@ CASES = [
     ("moeg-too-many-rows", "moe_token_permute_grad", (t(5, 3), i32(0, 1, 2, 3), 2), {}, INVALID, "permuted_output_grad.shape"),
     ("moeg-index-too-big", "moe_token_permute_grad", (t(4, 3), i32(0, 1, 2, 4), 2), {}, INVALID, "sorted_indices"),
     ("moeg-index-negative", "moe_token_permute_grad", (t(4, 3), i32(0, -1, 2, 3), 2), {}, INVALID, "sorted_indices"),
+    # ---- moe_token_unpermute (issue 16.4: each of these was accepted or answered with AttributeError)
+    ("unp-null-tokens", "moe_token_unpermute", (None, i32(0, 1)), {}, NULL, "permuted_tokens"),
+    ("unp-null-indices", "moe_token_unpermute", (t(2, 3), None), {}, NULL, "sorted_indices"),
+    ("unp-probs-type", "moe_token_unpermute", (t(2, 3), i32(0, 1), 4), {}, INVALID, "probs"),
+    ("unp-tokens-1d", "moe_token_unpermute", (t(4), i32(0, 1, 2, 3)), {}, INVALID, "permuted_tokens.dim()"),
+    ("unp-tokens-f64", "moe_token_unpermute", (t(4, 3, dtype=f64), i32(0, 1, 2, 3)), {}, INVALID,
+     "permuted_tokens.dtype"),
+    ("unp-probs-f64", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3), t(2, 2, dtype=f64)), {}, INVALID,
+     "probs.dtype"),
+    ("unp-index-float", "moe_token_unpermute", (t(4, 3), t(4)), {}, INVALID, "sorted_indices.dtype"),
+    ("unp-probs-1d", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3), t(4)), {}, INVALID, "probs.dim()"),
+    ("unp-probs-count", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3), t(4, 3)), {}, INVALID, "probs"),
+    ("unp-topk-513", "moe_token_unpermute", (t(4, 3), torch.arange(513, dtype=torch.int32), t(1, 513)), {},
+     INVALID, "probs"),
+    ("unp-too-many-rows", "moe_token_unpermute", (t(5, 3), i32(0, 1, 2, 3)), {}, INVALID, "permuted_tokens.shape"),
+    ("unp-padded", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3), None, True), {}, INVALID, "padded_mode"),
+    ("unp-restore-shape", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3)), {"restore_shape": "ab"}, INVALID,
+     "restore_shape"),
+    ("unp-outside", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 4)), {}, INVALID, "sorted_indices"),
+    ("unp-repeated", "moe_token_unpermute", (t(4, 3), i32(0, 1, 1, 3)), {}, INVALID, "sorted_indices"),
+    ("unp-out-shape", "moe_token_unpermute", (t(4, 3), i32(0, 1, 2, 3), t(2, 2)), {"out": t(4, 3)}, INVALID,
+     "out.shape"),
+    # ---- moe_token_unpermute_grad
+    ("unpg-null-grad", "moe_token_unpermute_grad", (t(4, 3), None, i32(0, 1, 2, 3)), {}, NULL, "grad_unpermuted"),
+    ("unpg-grad-t1", "moe_token_unpermute_grad", (t(4, 3), t(2, 1), i32(0, 1, 2, 3), t(2, 2)), {}, INVALID,
+     "grad_unpermuted.shape"),
+    ("unpg-grad-1d", "moe_token_unpermute_grad", (t(4, 3), t(3), i32(0, 1, 2, 3), t(2, 2)), {}, INVALID,
+     "grad_unpermuted.dim()"),
+    ("unpg-grad-f64", "moe_token_unpermute_grad", (t(4, 3), t(2, 3, dtype=f64), i32(0, 1, 2, 3), t(2, 2)), {},
+     INVALID, "grad_unpermuted.dtype"),
+    ("unpg-probs-transposed", "moe_token_unpermute_grad", (t(8, 3), t(4, 3), torch.arange(8, dtype=torch.int32),
+                                                           t(2, 4)), {}, INVALID, "probs"),
+    ("unpg-repeated", "moe_token_unpermute_grad", (t(4, 3), t(2, 3), i32(0, 0, 2, 3), t(2, 2)), {}, INVALID,
+     "sorted_indices"),
+    ("unpg-out-probs", "moe_token_unpermute_grad", (t(4, 3), t(2, 3), i32(0, 1, 2, 3), t(2, 2)),
+     {"out": (t(4, 3), t(2, 3))}, INVALID, "out[1].shape"),
+    ("unpg-out-no-probs", "moe_token_unpermute_grad", (t(4, 3), t(4, 3), i32(0, 1, 2, 3)),
+     {"out": (t(4, 3), t(2))}, INVALID, "out[1].shape"),
     # ---- issue 15.3: inputs that used to reach torch or Python internals (RuntimeError, NotImplementedError,
     # OverflowError) before any check named them
     ("sparse-x", "rms_norm", (LX.to_sparse(), LG), {}, INVALID, "x.layout"),
@@ -168,10 +206,9 @@ def test_error_survives_pickling():
 
 
 def test_every_op_has_error_cases():
-    covered = {c[1] for c in CASES}
-    assert covered == {"embedding", "rms_norm_grad", "rms_norm", "layer_norm", "layer_norm_grad", "layer_norm_grad_beta",
-                       "layer_norm_backward", "hardswish", "hardswish_backward", "embedding_dense_backward",
-                       "moe_token_permute", "moe_token_permute_grad"}
+    from gradops.registry import NAMES
+
+    assert {c[1] for c in CASES} == {"embedding", *NAMES}
 
 
 def test_nothing_written_when_a_later_out_is_refused(backend):

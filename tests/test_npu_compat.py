@@ -115,6 +115,24 @@ def test_padded_mode_is_refused_with_161002(call):
     assert err.value.status == ACLNN_ERR_PARAM_INVALID and err.value.arg == "padded_mode"
 
 
+@pytest.mark.parametrize("call,arg", [
+    (lambda p, s, g: npu.npu_moe_token_unpermute(p[:, 0], s), "permuted_tokens.dim()"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute(p.double(), s), "permuted_tokens.dtype"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute(None, s), "permuted_tokens"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute(p, s, torch.rand(5, 2)), "probs"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute_grad(p, g[:, :1], s, torch.rand(6, 2)), "grad_unpermuted.shape"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute_grad(p, g, s, torch.rand(2, 6)), "probs"),
+    (lambda p, s, g: npu.npu_moe_token_unpermute_grad(p, g, None, torch.rand(6, 2)), "sorted_indices"),
+], ids=["tokens-1d", "tokens-f64", "tokens-none", "probs-count", "grad-t1", "probs-kt", "indices-none"])
+def test_unpermute_pair_is_validated(call, arg):
+    """Issue 16.4: each was accepted (a wrong-shaped result) or answered with AttributeError."""
+    tokens, indices = _setup()
+    permuted, sorted_indices = npu.npu_moe_token_permute(tokens, indices)
+    with pytest.raises(OpError) as err:
+        call(permuted, sorted_indices, torch.randn(6, 5))
+    assert err.value.arg == arg, str(err.value)
+
+
 def test_never_imports_torch_npu():
     code = "import sys, gradops.npu_compat; sys.exit('torch_npu' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

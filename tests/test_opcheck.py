@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gradops
+from gradops.registry import OPS as REGISTERED
 from samples import OPS, samples
 
 #: Per op: sample names (beyond the first float32 one and the first bfloat16 one) worth tracing.
@@ -28,9 +29,11 @@ EDGES = {
     "embedding_dense_backward": ("padding-scale-float32", "indices-int32", "8d-grad"),
     "moe_token_permute": ("topk1-1d", "drop", "int32-indices"),
     "moe_token_permute_grad": ("dropped-rows", "convention", "int64-indices"),
+    "moe_token_unpermute": ("no-probs-float32", "dropped-rows", "int64-indices", "noncontig"),
+    "moe_token_unpermute_grad": ("no-probs-float32", "dropped-rows", "float32-probs-bfloat16"),
 }
 #: Forward ops: their float inputs require grad so that opcheck also runs the registered backward.
-FORWARDS = {"rms_norm", "layer_norm", "hardswish", "moe_token_permute"}
+FORWARDS = {op.name for op in REGISTERED if not op.backward}
 
 
 def _chosen(op: str):

@@ -28,6 +28,10 @@ OUTPUT_DTYPES = {
     "embedding_dense_backward": lambda grad, *_: (grad.dtype,),
     "moe_token_permute": lambda tokens, *_: (tokens.dtype, torch.int32),
     "moe_token_permute_grad": lambda grad, *_: (grad.dtype,),
+    "moe_token_unpermute": lambda permuted, *_: (permuted.dtype,),
+    # Without probs the second output is torch_npu's empty placeholder, in the tokens' dtype.
+    "moe_token_unpermute_grad": lambda permuted, grad, idx, probs=None: (permuted.dtype, (probs if probs is not None
+                                                                                          else permuted).dtype),
 }
 
 
@@ -58,12 +62,12 @@ def test_every_op_has_samples():
 
 
 def _op_args(op, sample) -> tuple:
-    """The sample's arguments in the order of the registered op's schema (the public signature, defaults filled,
-    without ``out``)."""
+    """The sample's arguments in the order of the registered op's schema: the public signature with defaults filled,
+    less what only the public function takes (``out``; moe_token_unpermute's ignored ``restore_shape``)."""
     bound = inspect.signature(getattr(gradops, op)).bind(*sample.args, **sample.kwargs)
     bound.apply_defaults()
-    bound.arguments.pop("out", None)
-    return tuple(bound.arguments.values())
+    schema = [a.name for a in getattr(torch.ops.gradops, op).default._schema.arguments]
+    return tuple(bound.arguments[name] for name in schema)
 
 
 @pytest.mark.parametrize("op,sample", CASES)

@@ -15,6 +15,8 @@ from .ops import (
     layer_norm_grad_beta,
     moe_token_permute,
     moe_token_permute_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
     rms_norm,
     rms_norm_grad,
 )
@@ -40,5 +42,5 @@ def synchronize() -> None:
 __all__ = [
     "OpError", "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm",
     "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad",
-    "patch", "rms_norm", "rms_norm_grad", "synchronize",
+    "moe_token_unpermute", "moe_token_unpermute_grad", "patch", "rms_norm", "rms_norm_grad", "synchronize",
 ]

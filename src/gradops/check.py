@@ -101,6 +101,20 @@ def _cases(op: str, dtype: torch.dtype, device: torch.device, m: int, n: int, ge
         return Case((tokens, experts, rows), (tokens, experts, rows), (1, 0),
                     lambda t, e, r: (t[torch.argsort(e.flatten(), stable=True)[:r] // k],
                                      torch.argsort(torch.argsort(e.flatten(), stable=True)).int()))
+    if op in ("moe_token_unpermute", "moe_token_unpermute_grad"):
+        rows = m * k - 3  # three (token, k) copies dropped by the forward's capacity
+        permuted, probs = rnd(rows, n), torch.rand(m, k, generator=gen).to(dtype).to(device)
+        perm = torch.randperm(m * k, generator=gen).int().to(device)
+
+        def unpermute(permuted, perm, probs):  # Megatron's unfused path: gather rows, weight, sum over k
+            padded = torch.cat([permuted, permuted.new_zeros(1, n)])
+            rows_of = torch.where(perm.long() < rows, perm.long(), rows)
+            return (padded[rows_of].view(m, k, n).float() * probs.float()[:, :, None]).sum(1).to(permuted.dtype)
+        if op == "moe_token_unpermute":
+            return Case((permuted, perm, probs), (permuted, perm, probs), (k,), lambda *a: (unpermute(*a),))
+        dy = rnd(m, n)
+        return Case((permuted, dy, perm, probs), (permuted, dy, perm, probs), (1, n),
+                    lambda p, dy, s, pr: _autograd(lambda p, pr: unpermute(p, s, pr), (p, pr), dy))
     grad, perm = rnd(m * k, n), torch.randperm(m * k, generator=gen).int().to(device)
 
     def index_add(grad, perm, k):  # Megatron's unfused backward: scatter-add rows to their tokens

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .contract.moe_permute import checked_sorted_indices
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",
@@ -118,120 +117,28 @@ class MoeTokenPermute(torch.nn.Module):
 
 class MoeTokenUnpermute(torch.nn.Module):
     """The inverse of :class:`MoeTokenPermute`, merging each token's K expert outputs (see
-    :func:`moe_token_unpermute`). ``forward(permuted (rows, H), sorted_indices (T*K,), probs (T, K) or None)``."""
+    :func:`gradops.moe_token_unpermute`).
+
+    ``forward(permuted (rows, H), sorted_indices (T*K,), probs (T, K) or None)``."""
 
     def forward(self, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None = None) -> Tensor:
-        return moe_token_unpermute(permuted_tokens, sorted_indices, probs)
-
-
-def _sources(sorted_indices: Tensor, op: str) -> Tensor:
-    """``inv[sorted_indices[i]] = i``: the flat (token, k) position that landed on each permuted row (int64).
-
-    Eagerly, sorted_indices must be a permutation of [0, T*K) (CANN: "no duplicate indices"; a duplicate would leave
-    a row with no source and its probability weight undefined), else OpError 161002. The range check comes first
-    (one host sync, as in the ops) so that the index_put below never meets a bad index; then T*K values in range
-    fill all T*K slots exactly when none repeats, so an unfilled slot is the duplicate test (a second sync; no
-    bincount). While tracing both checks are skipped (a data-dependent test would break the graph); the -1 fill
-    keeps the result defined, and torch's own index bounds checks stop a bad index.
-    """
-    tracing = torch.compiler.is_compiling()
-    if not tracing:
-        checked_sorted_indices(sorted_indices, op=op)
-    s = sorted_indices.long()
-    inv = torch.full_like(s, -1)
-    inv[s] = torch.arange(s.numel(), device=s.device)
-    if not tracing and s.numel() and bool((inv < 0).any()):
-        counts = torch.bincount(s, minlength=s.numel())
-        row = int((counts > 1).nonzero()[0, 0])
-        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "sorted_indices", "a permutation of [0, T*K) naming every row once",
-                      f"row {row} named {int(counts[row])} times")
-    return inv
-
-
-def _topk(sorted_indices: Tensor, probs: Tensor | None) -> int:
-    if probs is None:
-        return 1
-    if probs.dim() != 2 or probs.numel() != sorted_indices.numel():
-        raise OpError(ACLNN_ERR_PARAM_INVALID, "moe_token_unpermute", "probs",
-                      f"of shape (T, K) with T*K = sorted_indices.numel() = {sorted_indices.numel()}",
-                      f"shape {tuple(probs.shape)}")
-    return probs.shape[1]
-
-
-class _Unpermute(torch.autograd.Function):
-    """The forward also returns the checked inverse permutation (non-differentiable) so that the backward reuses
-    it: one check and one inversion per step. setup_context style, which torch.func transforms require."""
-
-    @staticmethod
-    def forward(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor]:
-        rows = permuted_tokens.shape[0]
-        source = _sources(sorted_indices, "moe_token_unpermute")[:rows]  # every kept row has one (token, k) source
-        k = _topk(sorted_indices, probs)
-        if probs is None:  # out[t] = permuted[s[t]]: MoeTokenPermuteGrad with K = 1 is exactly this gather
-            return ops.moe_token_permute_grad(permuted_tokens, sorted_indices, 1), source
-        # Weight each permuted row by its token's prob in float32, then sum the K rows of each token in float32.
-        weighted = permuted_tokens.float() * probs.reshape(-1).float().index_select(0, source)[:, None]
-        return ops.moe_token_permute_grad(weighted, sorted_indices, k).to(permuted_tokens.dtype), source
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        permuted_tokens, sorted_indices, probs = inputs
-        source = output[1]
-        ctx.mark_non_differentiable(source)
-        ctx.save_for_backward(permuted_tokens, sorted_indices, probs, source)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor, _grad_source: Tensor | None):
-        permuted_tokens, sorted_indices, probs, source = ctx.saved_tensors
-        d_permuted, d_probs = _unpermute_grads(permuted_tokens, grad, sorted_indices, probs, source)
-        return d_permuted, None, d_probs
+        return ops.moe_token_unpermute(permuted_tokens, sorted_indices, probs)
 
 
 def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None = None) -> Tensor:
-    """aclnnMoeTokenUnpermute (paddedMode false): ``out[t] = sum_k probs[t, k] * permuted[sorted_indices[t*K + k]]``.
-
-    Runs on :func:`gradops.moe_token_permute_grad` (float32 sums in k order); rows the permute dropped
-    (``sorted_indices >= permuted_tokens.shape[0]``) contribute zero. Differentiable w.r.t. permuted_tokens and
-    probs through :func:`moe_token_unpermute_backward`.
-
-    Args:
-        permuted_tokens: (A, H), A <= T*K, float16 / bfloat16 / float32.
-        sorted_indices: (T*K,) int32 / int64, CANN's convention (as :func:`gradops.moe_token_permute` returns).
-        probs: (T, K) routing weights, or None: then K = 1 and the result is the plain inverse gather.
-
-    Returns:
-        (T, H) in permuted_tokens' dtype.
-    """
-    return _Unpermute.apply(permuted_tokens, sorted_indices, probs)[0]
+    """:func:`gradops.moe_token_unpermute` (aclnnMoeTokenUnpermute), kept here for code written against this
+    module: ``out[t] = sum_k probs[t, k] * permuted[sorted_indices[t*K + k]]``, differentiable w.r.t.
+    permuted_tokens and probs."""
+    return ops.moe_token_unpermute(permuted_tokens, sorted_indices, probs)
 
 
 def moe_token_unpermute_backward(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                                  probs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """aclnnMoeTokenUnpermuteGrad: the gradients of :func:`moe_token_unpermute`, in float32 then cast::
-
-        grad_permuted[sorted_indices[i]] = grad_unpermuted[i // K] * probs.flat[i]      (probs = 1 when None)
-        grad_probs[t, k] = sum_h grad_unpermuted[t, h] * permuted[sorted_indices[t*K + k], h]   (0 if dropped)
+    """:func:`gradops.moe_token_unpermute_grad` (aclnnMoeTokenUnpermuteGrad), answering None for the probs
+    gradient when there are no probs (the op itself returns an empty tensor there).
 
     Returns:
         ``(grad_permuted (A, H) in permuted_tokens' dtype, grad_probs (T, K) in probs' dtype or None)``.
     """
-    source = _sources(sorted_indices, "moe_token_unpermute_backward")[:permuted_tokens.shape[0]]
-    return _unpermute_grads(permuted_tokens, grad_unpermuted, sorted_indices, probs, source)
-
-
-def _unpermute_grads(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor, probs: Tensor | None,
-                     source: Tensor) -> tuple[Tensor, Tensor | None]:
-    """:func:`moe_token_unpermute_backward` given ``source``, the checked inverse of sorted_indices (kept rows)."""
-    k = _topk(sorted_indices, probs)
-    rows, hidden = permuted_tokens.shape
-    g = grad_unpermuted.float()
-    # index_select, not g[index]: 27 vs 126 µs at 2048 x 96 on CPU (see gradops.reference.moe_permute)
-    d_permuted = g.index_select(0, source // k)
-    if probs is None:
-        return d_permuted.to(permuted_tokens.dtype), None
-    d_permuted = d_permuted * probs.reshape(-1).float().index_select(0, source)[:, None]
-    s = sorted_indices.long()
-    padded = torch.cat([permuted_tokens.float(), permuted_tokens.new_zeros(1, hidden, dtype=torch.float32)])
-    picked = padded.index_select(0, torch.where(s < rows, s, rows)).view(-1, k, hidden)  # dropped: the zero row
-    d_probs = (picked * g[:, None, :]).sum(dim=-1)
-    return d_permuted.to(permuted_tokens.dtype), d_probs.to(probs.dtype)
+    d_permuted, d_probs = ops.moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs)
+    return d_permuted, d_probs if probs is not None else None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from . import nn, ops
+from . import ops
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
@@ -85,7 +85,7 @@ def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, pro
     Differentiable w.r.t. permuted_tokens and probs (aclnnMoeTokenUnpermuteGrad).
     """
     _no_padded_mode("npu_moe_token_unpermute", padded_mode)
-    return nn.moe_token_unpermute(permuted_tokens, sorted_indices, probs)
+    return ops.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
 
 
 def npu_moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted_tokens: Tensor, sorted_indices: Tensor,
@@ -98,6 +98,5 @@ def npu_moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted_tokens
     dtype (the permuted tokens' dtype) [what torch_npu returns there is not documented].
     """
     _no_padded_mode("npu_moe_token_unpermute_grad", padded_mode)
-    d_permuted, d_probs = nn.moe_token_unpermute_backward(permuted_tokens, grad_unpermuted_tokens, sorted_indices,
-                                                          probs)
-    return d_permuted, d_probs if d_probs is not None else permuted_tokens.new_empty(0)
+    return ops.moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs, padded_mode,
+                                        restore_shape)

@@ -29,6 +29,8 @@ OPS: tuple[Op, ...] = (
     Op("embedding_dense_backward", "aclnnEmbeddingDenseBackward", True),
     Op("moe_token_permute", "aclnnMoeTokenPermute", False),
     Op("moe_token_permute_grad", "aclnnMoeTokenPermuteGrad", True),
+    Op("moe_token_unpermute", "aclnnMoeTokenUnpermute", False),
+    Op("moe_token_unpermute_grad", "aclnnMoeTokenUnpermuteGrad", True),
 )
 
 #: The names, in the order above.

@@ -216,6 +216,35 @@ def test_moe_permute_blocks(dtype, launches):
            block_h=8, workspace=torch.empty(size, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_moe_unpermute_blocks_and_drops(dtype, launches):
+    """K = 5, tokens not a multiple of BLOCK_T, 8-column blocks with a tail, 20 of 35 rows present, probs in
+    another dtype than the tokens."""
+    perm, probs = torch.randperm(35, dtype=torch.int32), torch.rand(7, 5)
+    _check("moe_token_unpermute", launch.moe_token_unpermute, (_rand(20, 21, dtype=dtype), perm, probs), launches,
+           "moe_token_unpermute_kernel", block_h=8)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_moe_unpermute_grad_blocks_and_drops(dtype, launches):
+    """The same layout backwards: each program loops K and the column blocks for the probs' dot products."""
+    perm, probs = torch.randperm(35), torch.rand(7, 5, dtype=dtype)
+    args = (_rand(20, 21, dtype=dtype), _rand(7, 21, dtype=dtype), perm, probs)
+    _check("moe_token_unpermute_grad", launch.moe_token_unpermute_grad, args, launches,
+           "moe_token_unpermute_grad_kernel", block_h=8)
+
+
+@pytest.mark.parametrize("bad", [[0, 1, 2, 3, 4, 4], [0, 1, 2, 3, 4, 6], [-1, 1, 2, 3, 4, 5]],
+                         ids=["repeated", "at-TK", "negative"])
+def test_moe_unpermute_kernels_refuse_a_non_permutation(bad):
+    si = torch.tensor(bad, dtype=torch.int32)
+    for fn, args in ((launch.moe_token_unpermute, (torch.randn(6, 3), si, torch.rand(3, 2))),
+                     (launch.moe_token_unpermute_grad, (torch.randn(6, 3), torch.randn(3, 3), si, torch.rand(3, 2)))):
+        with pytest.raises(gradops.OpError) as info:
+            fn(*args)
+        assert info.value.status == 161002 and "sorted_indices" in str(info.value)
+
+
 # ------------------------------------------------------------------ out=
 def test_out_written_in_place(launches):
     """The public ``out=`` reaches the launchers: results land in the caller's tensors (no copy)."""

@@ -33,6 +33,8 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
     idx = torch.randint(0, 8, (8,), generator=g)
     _, sorted_idx = gradops.moe_token_permute(x, torch.randint(0, 4, (8, 2), generator=g))
     perm_grad = torch.randn(16, 8, generator=g)
+    probs = torch.rand(8, 2, generator=g)
+    pg, probs_g = perm_grad.clone().requires_grad_(), probs.clone().requires_grad_()
     ops = torch.ops.gradops
     aten = torch.ops.aten
     xg, wg = x.clone().requires_grad_(), torch.randn(8, 8, generator=g).requires_grad_()
@@ -70,6 +72,12 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
         "moe_token_permute_grad": {"gradops": lambda: gradops.moe_token_permute_grad(perm_grad, sorted_idx, 2),
                                    "op": lambda: ops.moe_token_permute_grad(perm_grad, sorted_idx, 2, False),
                                    "aten": None},
+        "moe_token_unpermute": {"gradops": lambda: gradops.moe_token_unpermute(perm_grad, sorted_idx, probs),
+                                "op": lambda: ops.moe_token_unpermute(perm_grad, sorted_idx, probs, False),
+                                "aten": None},
+        "moe_token_unpermute_grad": {
+            "gradops": lambda: gradops.moe_token_unpermute_grad(perm_grad, x, sorted_idx, probs),
+            "op": lambda: ops.moe_token_unpermute_grad(perm_grad, x, sorted_idx, probs, False), "aten": None},
         "rms_norm fwd+bwd": {"gradops": pair(lambda: gradops.rms_norm(xg, gg)[0]),
                              "op": pair(lambda: ops.rms_norm(xg, gg, 1e-6)[0]),
                              "aten": pair(lambda: torch.rms_norm(xg, [8], gg, 1e-6))},
@@ -81,6 +89,9 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
         "embedding fwd+bwd": {"gradops": pair(lambda: gradops.embedding(wg, idx)),
                               "op": pair(lambda: ops.embedding(wg, idx, -1, False)),
                               "aten": pair(lambda: torch.nn.functional.embedding(idx, wg))},
+        "moe_token_unpermute fwd+bwd": {"gradops": pair(lambda: gradops.moe_token_unpermute(pg, sorted_idx, probs_g)),
+                                        "op": pair(lambda: ops.moe_token_unpermute(pg, sorted_idx, probs_g, False)),
+                                        "aten": None},
     }
 
 

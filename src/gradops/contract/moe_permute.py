@@ -1,8 +1,12 @@
-"""Validation table of aclnnMoeTokenPermute and aclnnMoeTokenPermuteGrad.
+"""Validation table of aclnnMoeTokenPermute, aclnnMoeTokenPermuteGrad, aclnnMoeTokenUnpermute and
+aclnnMoeTokenUnpermuteGrad.
 
-Sources: the seed (004), hicann/ops-transformer ``moe/moe_token_permute{,_grad}`` op defs and docs. CANN checks
-little beyond dtypes and leaves bad shapes undefined; gradops refuses them with 161002 (the choice recommended in
-docs/semantics.md §5), and refuses sorted indices outside ``[0, T*K)`` before any kernel reads with them.
+Sources: the seed (004), hicann/ops-transformer ``moe/moe_token_{permute,unpermute}{,_grad}`` op defs and docs
+(docs/semantics.md §5). CANN checks little beyond dtypes and leaves bad shapes undefined; gradops refuses them
+with 161002 (the choice recommended in docs/semantics.md §5), and refuses sorted indices outside ``[0, T*K)``
+before any kernel reads with them. The unpermute pair also needs sorted_indices to be a permutation (CANN:
+"取值范围是[0, tokens_num*topK_num-1]，且没有重复索引", no repeated index): a repeated row would leave another
+row of the gradient with no source; each backend refuses one (:func:`permutation_error`) before it writes.
 """
 
 from __future__ import annotations
@@ -124,4 +128,127 @@ def checked_sorted_indices(sorted_indices: torch.Tensor, op: str = "moe_token_pe
         if int(lo) < 0 or int(hi) >= total:
             bad = int(((sorted_indices < 0) | (sorted_indices >= total)).nonzero()[0, 0])
             raise sorted_index_error(int(sorted_indices[bad]), bad, total, op)
+    return sorted_indices
+
+
+def check_restore_shape(op: str, restore_shape: object) -> None:
+    """restoreShapeOptional: read by CANN only in padded mode (unsupported), so any int sequence or None."""
+    if restore_shape is None:
+        return
+    if isinstance(restore_shape, (str, bytes)) or not hasattr(restore_shape, "__iter__") or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in restore_shape):
+        raise fail(INVALID, op, "restore_shape", "None or a sequence of ints", repr(restore_shape))
+
+
+def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: bool) -> MoePlan:
+    """The shared part of the unpermute pair: (A, H) rows, (T*K,) indices, probs (T, K) or None (K = 1)."""
+    require_dtype(op, "permuted_tokens", permuted_tokens, FLOATS)
+    require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,) if cann else INDEX_DTYPES)
+    if probs is not None:
+        require_dtype(op, "probs", probs, FLOATS)
+    require_rank(op, "permuted_tokens", permuted_tokens, 2, 2)
+    require_rank(op, "sorted_indices", sorted_indices, 1, 1)
+    total = sorted_indices.shape[0]
+    if probs is None:
+        k = 1
+    else:
+        require_rank(op, "probs", probs, 2, 2)
+        k = probs.shape[1]
+        if not 1 <= k <= MAX_TOPK or probs.shape[0] * k != total:
+            raise fail(INVALID, op, "probs",
+                       f"of shape (T, K) with T*K = sorted_indices.numel() = {total} and K in [1, {MAX_TOPK}]",
+                       f"shape {shape_text(probs.shape)}")
+    rows, h = permuted_tokens.shape
+    if rows > total:
+        raise fail(INVALID, op, "permuted_tokens.shape",
+                   f"at most T*K = sorted_indices.numel() = {total} rows (fewer when tokens were dropped)",
+                   shape_text(permuted_tokens.shape))
+    return MoePlan(total // k, k, h, rows)
+
+
+def check_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, *, out=None,
+                              cann: bool = False) -> MoePlan:
+    """aclnnMoeTokenUnpermute: ``out (T, H)`` in permuted_tokens' dtype; K = probs.shape[1], or 1 without probs."""
+    op = "moe_token_unpermute"
+    outs = {"out": out} if cann else {}
+    require_present(op, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices, **outs)
+    if probs is not None:
+        require_present(op, probs=probs)
+    _check_padded_mode(op, padded_mode)
+    require_same_device(op, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices,
+                        **({} if probs is None else {"probs": probs}), **outs)
+    plan = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
+    if cann:
+        require_same_dtype(op, "out", out, "permuted_tokens", permuted_tokens)
+        require_shape(op, "out", out, (plan.tokens, plan.hidden), "(T, H)")
+    return plan
+
+
+def check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs=None, padded_mode=False,
+                                   *, grad_permuted=None, grad_probs=None, cann: bool = False) -> MoePlan:
+    """aclnnMoeTokenUnpermuteGrad: the gradient ``grad_unpermuted (T, H)`` of the forward's output, any float
+    dtype (CANN lists float16 / bfloat16 / float32 for each tensor separately); results in permuted_tokens' and
+    probs' dtypes."""
+    op = "moe_token_unpermute_grad"
+    outs = {"permutedTokensGradOut": grad_permuted} if cann else {}
+    require_present(op, permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
+                    sorted_indices=sorted_indices, **outs)
+    if probs is not None:
+        require_present(op, probs=probs)
+    if cann and probs is not None:
+        require_present(op, probsGradOut=grad_probs)
+    _check_padded_mode(op, padded_mode)
+    require_same_device(op, permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
+                        sorted_indices=sorted_indices, **({} if probs is None else {"probs": probs}), **outs)
+    plan = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
+    require_dtype(op, "grad_unpermuted", grad_unpermuted, FLOATS)
+    require_rank(op, "grad_unpermuted", grad_unpermuted, 2, 2)
+    tokens = grad_unpermuted.shape[0]
+    if probs is not None and tokens != plan.tokens and tokens and sorted_indices.shape[0] % tokens == 0:
+        # The gradient fixes T, which the forward could not see: a (K, T) probs passed for (T, K) is named here.
+        raise fail(INVALID, op, "probs", f"of shape (T, K) = ({tokens}, {sorted_indices.shape[0] // tokens}) "
+                   f"(T from grad_unpermuted, K = sorted_indices.numel() / T)", f"shape {shape_text(probs.shape)}")
+    require_shape(op, "grad_unpermuted", grad_unpermuted, (plan.tokens, plan.hidden),
+                  "(T, H): the forward's output shape")
+    if cann:
+        require_same_dtype(op, "permutedTokensGradOut", grad_permuted, "permuted_tokens", permuted_tokens)
+        require_shape(op, "permutedTokensGradOut", grad_permuted, (plan.rows, plan.hidden), "(A, H)")
+        if probs is not None:
+            require_same_dtype(op, "probsGradOut", grad_probs, "probs", probs)
+            require_shape(op, "probsGradOut", grad_probs, (plan.tokens, plan.topk), "(T, K)")
+    return plan
+
+
+def permutation_error(sorted_indices: torch.Tensor, op: str) -> OpError | None:
+    """The OpError (161002) of sorted indices that are not a permutation of ``[0, T*K)``, or None if they are.
+
+    Runs on the host (a sort and a count of the T*K entries): the backends call it when their own fast test
+    (a bitmap pass in the CPU kernel, a flag on the GPU) found something, so that every backend says the same."""
+    total = sorted_indices.numel()
+    if not total:
+        return None
+    s = sorted_indices.detach().reshape(-1).long().cpu()
+    outside = ((s < 0) | (s >= total)).nonzero()
+    if outside.numel():
+        pos = int(outside[0, 0])
+        return sorted_index_error(int(s[pos]), pos, total, op)
+    counts = torch.bincount(s, minlength=total)
+    if bool((counts == 1).all()):
+        return None
+    row = int((counts > 1).nonzero()[0, 0])
+    return fail(INVALID, op, "sorted_indices", "a permutation of [0, T*K) naming every row once",
+                f"row {row} named {int(counts[row])} times")
+
+
+def checked_permutation(sorted_indices: torch.Tensor, op: str) -> torch.Tensor:
+    """Refuse sorted indices that are not a permutation of ``[0, T*K)`` (one host synchronisation for the common
+    case: a sorted copy equals ``arange``); returns the tensor unchanged. The torch-level test of the reference
+    backend; the compiled backends test in their own way and raise the same :func:`permutation_error`."""
+    total = sorted_indices.numel()
+    if total:
+        ordered = torch.sort(sorted_indices.reshape(-1)).values
+        if not bool(torch.equal(ordered, torch.arange(total, dtype=ordered.dtype, device=ordered.device))):
+            error = permutation_error(sorted_indices, op)
+            if error is not None:
+                raise error
     return sorted_indices

@@ -1,4 +1,5 @@
-"""Host launchers of MoeTokenPermute and MoeTokenPermuteGrad (backend ``triton``)."""
+"""Host launchers of MoeTokenPermute, MoeTokenPermuteGrad, MoeTokenUnpermute and MoeTokenUnpermuteGrad (backend
+``triton``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import torch
 import triton
 from torch import Tensor
 
-from ..contract.moe_permute import sorted_index_error
-from ..kernels.moe_permute import moe_blocks, moe_token_permute_grad_kernel, moe_token_permute_kernel
+from ..contract.moe_permute import permutation_error, sorted_index_error
+from ..kernels.moe_permute import (
+    moe_blocks,
+    moe_token_permute_grad_kernel,
+    moe_token_permute_kernel,
+    moe_token_unpermute_grad_kernel,
+    moe_token_unpermute_kernel,
+)
 from ._common import carve, guard, launch, outputs, workspace_bytes
 
 
@@ -88,3 +95,84 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
            sorted_indices.contiguous(), out, t, num_topk, rows, h, grad.stride(0), grad.stride(1), BLOCK_T=block_t,
            BLOCK_H=block_h, num_warps=warps)
     return out
+
+
+def _guard_permutation(sorted_indices: Tensor, op: str) -> None:
+    """Flag sorted indices that are not a permutation of ``[0, T*K)`` (a sorted copy differs from ``arange``: one
+    device sort of T*K ints, no host synchronisation on CUDA; see :func:`._common.guard`). The kernels read and
+    write only rows in ``[0, A)`` whatever the flag says; a repeated row would leave a gradient row unwritten."""
+    total = sorted_indices.numel()
+    if total:
+        ordered = torch.sort(sorted_indices).values
+        bad = (ordered != torch.arange(total, dtype=ordered.dtype, device=ordered.device)).any()
+        guard(bad, lambda: permutation_error(sorted_indices, op) or sorted_index_error(
+            "a value changed again before it could be shown", -1, total, op))
+
+
+def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None, *,
+                        out: Tensor | None = None, block_h: int | None = None) -> Tensor:
+    """``out[t] = sum_{k<K} probs[t, k] * permuted[sorted_indices[t*K + k]]`` (fp32, k order; rows >= A add
+    nothing; probs None: K = 1, weight 1).
+
+    Args:
+        permuted_tokens: (A, H) float16 / bfloat16 / float32, any strides.
+        sorted_indices: (T*K,) int32 / int64, a permutation of [0, T*K) (flagged otherwise, OpError 161002).
+        probs: (T, K) float16 / bfloat16 / float32, or None. out: optional contiguous (T, H). block_h: tests.
+
+    Returns:
+        (T, H) contiguous in permuted_tokens' dtype. No workspace.
+    """
+    rows, h = permuted_tokens.shape
+    k = 1 if probs is None else probs.shape[1]
+    t = sorted_indices.numel() // k
+    out = outputs(out, [((t, h), permuted_tokens.dtype)], permuted_tokens.device)[0]
+    _guard_permutation(sorted_indices, "moe_token_unpermute")
+    if t == 0 or h == 0:
+        return out
+    block_t, block_h, warps = moe_blocks(h, block_h)
+    weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
+    launch(moe_token_unpermute_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), permuted_tokens,
+           sorted_indices.contiguous(), weights, out, t, k, rows, h, permuted_tokens.stride(0),
+           permuted_tokens.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+           num_warps=warps)
+    return out
+
+
+def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                             probs: Tensor | None, *, trusted: bool = False,
+                             out: tuple[Tensor, Tensor] | None = None,
+                             block_h: int | None = None) -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`moe_token_unpermute`: ``grad_permuted[r] = grad[t] * probs[t, k]`` for the copy
+    (t, k) on row r < A, ``grad_probs[t, k] = sum_h grad[t, h] * permuted[r, h]`` (fp32, rounded once).
+
+    Args:
+        permuted_tokens: (A, H); grad_unpermuted: (T, H); both any strides.
+        sorted_indices: (T*K,), a permutation of [0, T*K): flagged otherwise unless ``trusted`` (the backward of
+            this package's own forward); the kernel never reads or writes a row outside [0, A) either way.
+        probs: (T, K) or None. out: optional contiguous pair (the second unused without probs). block_h: tests.
+
+    Returns:
+        ``(grad_permuted (A, H) in permuted_tokens' dtype, grad_probs (T, K) in probs' dtype)``, the second an
+        empty tensor of permuted_tokens' dtype without probs. No workspace.
+    """
+    rows, h = permuted_tokens.shape
+    t = grad_unpermuted.shape[0]
+    k = 1 if probs is None else probs.shape[1]
+    device = permuted_tokens.device
+    dx = outputs(None if out is None else out[0], [((rows, h), permuted_tokens.dtype)], device)[0]
+    if probs is None:
+        dp = permuted_tokens.new_empty(0)
+    else:
+        dp = outputs(None if out is None else out[1], [((t, k), probs.dtype)], device)[0]
+    if not trusted:
+        _guard_permutation(sorted_indices, "moe_token_unpermute_grad")
+    if t == 0:
+        return dx, dp
+    block_t, block_h, warps = moe_blocks(h, block_h)
+    weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
+    launch(moe_token_unpermute_grad_kernel, (triton.cdiv(t, block_t),), permuted_tokens, grad_unpermuted,
+           sorted_indices.contiguous(), weights, dx, dp if probs is not None else dx, t, k, rows, h,
+           permuted_tokens.stride(0), permuted_tokens.stride(1), grad_unpermuted.stride(0),
+           grad_unpermuted.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t,
+           BLOCK_H=block_h, num_warps=warps)
+    return dx, dp

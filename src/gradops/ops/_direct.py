@@ -32,8 +32,9 @@ except ImportError:  # pragma: no cover - a torch without it disables the direct
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
-#: What :func:`eager_path` answers: run through the op, run the body, run the autograd.Function.
-OP, BODY, FUNCTION = "op", "body", "function"
+#: What :func:`eager_path` answers: run through the op, run the body, run the autograd.Function, run the op inside
+#: a setup_context-style autograd.Function (functorch transforms: see :meth:`DirectOp.register_autograd`).
+OP, BODY, FUNCTION, FUNCTORCH = "op", "body", "function", "functorch"
 
 
 def _resolve(path: str) -> Callable[..., Any] | None:
@@ -55,6 +56,11 @@ _missing = [p for p, fn in zip(_HOOK_PATHS, _hooks) if fn is None]
 (_is_compiling, _dispatch_stack_len, _in_dispatch_mode, _profiling, _function_mode, _functorch_stack,
  _tracing_state, _legacy_batched) = _hooks
 
+try:
+    _DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+except AttributeError:  # pragma: no cover - the hooks above are then missing too: every call takes the op
+    _DIFFERENTIATING = ()
+
 #: Why the direct path is off (None while it is on).
 DISABLED: str | None = (f"this torch {torch.__version__} lacks {', '.join(_missing)}" if _missing else
                         "GRADOPS_EAGER=0" if os.environ.get("GRADOPS_EAGER", "1").strip() == "0" else None)
@@ -75,8 +81,14 @@ def eager_path(*args: object) -> str:
     # Dispatch modes: the per-thread stack for user modes (the global flag _in_dispatch_mode reads can be cleared by
     # another thread leaving its mode), the flag for infra modes (fake, functional, proxy) kept beside it.
     # The profiler: the C++ state, which also sees a profiler started without torch.profiler's Python wrapper.
-    if (not _enabled or _is_compiling() or _dispatch_stack_len() or _in_dispatch_mode() or _profiling()
-            or _function_mode() or _functorch_stack() is not None or _tracing_state() is not None):
+    if _missing or _is_compiling() or _dispatch_stack_len() or _in_dispatch_mode() or _function_mode():
+        return OP
+    top = _functorch_stack()
+    if top is not None:
+        # grad / vjp / jvp need a setup_context-style Function around the op; vmap and functionalize need the op
+        # itself (its vmap rule; the functional pass).
+        return FUNCTORCH if top.key() in _DIFFERENTIATING else OP
+    if not _enabled or _profiling() or _tracing_state() is not None:
         return OP
     grad = torch.is_grad_enabled()
     path = BODY
@@ -120,6 +132,15 @@ class DirectOp:
         self.body = body
         self.op = torch.library.custom_op(name, mutates_args=())(body)
         self.function: type[torch.autograd.Function] | None = None
+        name = body.__name__.removesuffix("_body").lstrip("_")
+
+        def no_derivative(ctx: Any, *grads: object) -> Any:
+            raise RuntimeError(f"gradops.{name} has no derivative (the backward of a gradops backward is not "
+                               "implemented)")
+
+        # An op without a registered derivative (the backward ops) still needs a setup_context-style Function
+        # under torch.func: the backward of a forward calls it with functorch-wrapped tensors.
+        self.functorch = self._functorch_function(name, lambda ctx, inputs, output: None, no_derivative)
 
     def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return self.op.register_fake(fn)
@@ -138,6 +159,26 @@ class DirectOp:
         name = body.__name__.removesuffix("_body").lstrip("_")
         self.function = type(name, (torch.autograd.Function,),
                              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+        self.functorch = self._functorch_function(name, setup_context, backward)
+
+    def _functorch_function(self, name: str, setup_context: Callable[..., Any], backward: Callable[..., Any]
+                            ) -> type[torch.autograd.Function]:
+        """The autograd.Function that runs the op under torch.func transforms (grad, vjp, jacrev,
+        functional_call inside them). The op's own autograd cannot run there: torch.library's generated
+        autograd.Function has no setup_context staticmethod, which functorch requires ("... must override the
+        setup_context staticmethod"). This one has; its forward calls the op one level down, so the same body
+        and backward compute the same bits."""
+        op = self.op
+
+        def forward(*args: object) -> Any:
+            return op(*args)
+
+        def setup(ctx: Any, inputs: tuple, output: Any) -> None:
+            setup_context(ctx, inputs, output)
+
+        return type(f"{name}_functorch", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
+                     "backward": staticmethod(backward)})
 
     def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
         """Run the op on positional ``args``.
@@ -150,6 +191,10 @@ class DirectOp:
             return self.body(*args)
         if path == FUNCTION and self.function is not None:
             return self.function.apply(*args)
+        if path == FUNCTORCH:
+            if check is not None:
+                check(*args)
+            return self.functorch.apply(*args)
         if check is not None:
             check(*args)
         return self.op(*args)

@@ -1,6 +1,9 @@
-"""MoeTokenPermute / MoeTokenPermuteGrad: torch.library ops, autograd, and the public functions."""
+"""MoeTokenPermute / MoeTokenPermuteGrad / MoeTokenUnpermute / MoeTokenUnpermuteGrad: torch.library ops, autograd,
+and the public functions."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -8,7 +11,7 @@ from torch import Tensor
 from ..backend import choose
 from ..contract import moe_permute as contract
 from ..contract._memo import remembered
-from ..contract.moe_permute import checked_sorted_indices
+from ..contract.moe_permute import check_restore_shape, checked_sorted_indices
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
 
@@ -16,6 +19,8 @@ from ._out import check_out, refuse_autograd, run_into
 # runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
 check_moe_token_permute = remembered(contract.check_moe_token_permute)
 check_moe_token_permute_grad = remembered(contract.check_moe_token_permute_grad)
+check_moe_token_unpermute = remembered(contract.check_moe_token_unpermute)
+check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_grad)
 
 
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -131,3 +136,140 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         return run_into(impl, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
                                    check=check_moe_token_permute_grad)
+
+
+# ---------------------------------------------------------------- unpermute
+def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                              padded_mode: bool) -> Tensor:
+    check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    impl = choose("moe_token_unpermute", permuted_tokens.device).fn
+    return own(impl(permuted_tokens, sorted_indices, probs))  # the backend checks the permutation
+
+
+_moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body)
+
+
+@_moe_token_unpermute.register_fake
+def _(permuted_tokens, sorted_indices, probs, padded_mode):
+    plan = check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    return permuted_tokens.new_empty((plan.tokens, plan.hidden))
+
+
+def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                                   probs: Tensor | None, padded_mode: bool) -> tuple[Tensor, Tensor]:
+    check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+    return _run_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, False)
+
+
+def _run_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                        probs: Tensor | None, trusted: bool) -> tuple[Tensor, Tensor]:
+    """The backend; ``trusted``: sorted_indices is a permutation its forward checked (the backend skips its test)."""
+    impl = choose("moe_token_unpermute_grad", permuted_tokens.device).fn
+    return own(*impl(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted))
+
+
+_moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body)
+
+
+@_moe_token_unpermute_grad.register_fake
+def _(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
+    plan = check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+    d_probs = permuted_tokens.new_empty(0) if probs is None else probs.new_empty((plan.tokens, plan.topk))
+    return permuted_tokens.new_empty((plan.rows, plan.hidden)), d_probs
+
+
+def _unpermute_setup(ctx, inputs, output):
+    permuted_tokens, sorted_indices, probs, _ = inputs
+    ctx.save_for_backward(permuted_tokens, sorted_indices, probs)
+    ctx.set_materialize_grads(False)
+
+
+def _unpermute_backward(ctx, grad):
+    if grad is None:
+        return None, None, None, None
+    permuted_tokens, sorted_indices, probs = ctx.saved_tensors
+    if eager_path(permuted_tokens, grad, sorted_indices, probs) == BODY:
+        # sorted_indices passed the forward's permutation test, and autograd's saved-tensor version check refuses
+        # it if it changed since: no second test (a host pass on CPU, a sort on CUDA).
+        d_permuted, d_probs = _run_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, True)
+    else:
+        d_permuted, d_probs = _moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
+    return d_permuted, None, d_probs if probs is not None else None, None
+
+
+_moe_token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None = None,
+                        padded_mode: bool = False, restore_shape: Sequence[int] | None = None, *,
+                        out: Tensor | None = None) -> Tensor:
+    """aclnnMoeTokenUnpermute: merge each token's K expert outputs, weighted by its routing probabilities::
+
+        out[t] = sum_{k<K} probs[t, k] * permuted_tokens[sorted_indices[t*K + k]]     (fp32, k order)
+
+    The inverse of :func:`moe_token_permute`; differentiable w.r.t. permuted_tokens and probs (the backward is
+    :func:`moe_token_unpermute_grad`).
+
+    Args:
+        permuted_tokens: (A, H) float16 / bfloat16 / float32, A <= T*K (fewer when the permute dropped tokens:
+            indices >= A then add nothing).
+        sorted_indices: (T*K,) int32 (int64 accepted), CANN's convention (as :func:`moe_token_permute` returns),
+            a permutation of [0, T*K): an entry outside it or a repeated one raises OpError 161002 before
+            anything is read with it.
+        probs: (T, K) float16 / bfloat16 / float32 routing weights, or None: then K = 1 and the result is the
+            plain inverse gather.
+        padded_mode: must be False (CANN supports only False). restore_shape: read by CANN only in padded
+            mode; None or a sequence of ints, ignored.
+        out: optional preallocated (T, H) in permuted_tokens' dtype (see :mod:`gradops.ops._out`; not
+            differentiable).
+
+    Returns:
+        (T, H) in permuted_tokens' dtype.
+    """
+    if restore_shape is not None:
+        check_restore_shape("moe_token_unpermute", restore_shape)
+    if out is not None:
+        plan = check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+        refuse_autograd("moe_token_unpermute", permuted_tokens, probs)
+        outs = check_out("moe_token_unpermute", out, [((plan.tokens, plan.hidden), permuted_tokens.dtype)],
+                         permuted_tokens.device, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices,
+                         probs=probs)
+        impl = choose("moe_token_unpermute", permuted_tokens.device).fn
+        return run_into(impl, (permuted_tokens, sorted_indices, probs), outs, [None])[0]
+    return _moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, check=check_moe_token_unpermute)
+
+
+def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                             probs: Tensor | None = None, padded_mode: bool = False,
+                             restore_shape: Sequence[int] | None = None, *,
+                             out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenUnpermuteGrad: the gradients of :func:`moe_token_unpermute`, in fp32 then rounded once::
+
+        grad_permuted[sorted_indices[i]] = grad_unpermuted[i // K] * probs.flat[i]          (rows < A)
+        grad_probs[t, k] = sum_h grad_unpermuted[t, h] * permuted_tokens[sorted_indices[t*K + k], h]  (0 if dropped)
+
+    Args:
+        permuted_tokens: the forward's (A, H) input. grad_unpermuted: (T, H), float16 / bfloat16 / float32.
+        sorted_indices: (T*K,) as for :func:`moe_token_unpermute` (a permutation of [0, T*K), else 161002).
+        probs: the forward's (T, K) probs, or None (K = 1, weight 1).
+        padded_mode: must be False. restore_shape: None or ints, ignored (as in the forward).
+        out: optional preallocated ``(grad_permuted, grad_probs)``; without probs the second must be an empty
+            (0,) tensor of permuted_tokens' dtype.
+
+    Returns:
+        ``(grad_permuted (A, H) in permuted_tokens' dtype, grad_probs (T, K) in probs' dtype)``; without probs
+        the second is an empty (0,) tensor of permuted_tokens' dtype (torch_npu's schema returns two tensors).
+    """
+    if restore_shape is not None:
+        check_restore_shape("moe_token_unpermute_grad", restore_shape)
+    if out is not None:
+        plan = check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+        probs_spec = ((0,), permuted_tokens.dtype) if probs is None else ((plan.tokens, plan.topk), probs.dtype)
+        outs = check_out("moe_token_unpermute_grad", out, [((plan.rows, plan.hidden), permuted_tokens.dtype),
+                                                           probs_spec], permuted_tokens.device,
+                         permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
+                         sorted_indices=sorted_indices, probs=probs)
+        impl = choose("moe_token_unpermute_grad", permuted_tokens.device).fn
+        return run_into(impl, (permuted_tokens, grad_unpermuted, sorted_indices, probs), outs, [None, None])
+    return _moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode,
+                                     check=check_moe_token_unpermute_grad)

@@ -1,11 +1,12 @@
-"""aclnnMoeTokenPermute and aclnnMoeTokenPermuteGrad in pure torch (CANN's index convention)."""
+"""aclnnMoeTokenPermute, aclnnMoeTokenPermuteGrad, aclnnMoeTokenUnpermute and aclnnMoeTokenUnpermuteGrad in pure
+torch (CANN's index convention)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..contract.moe_permute import checked_sorted_indices
+from ..contract.moe_permute import checked_permutation, checked_sorted_indices
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -39,3 +40,64 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int,
     for j in range(1, num_topk):  # fixed order: k = 0, 1, ..., K-1
         out = out + picked[:, j]
     return out.to(grad.dtype)
+
+
+def _kept_rows(sorted_indices: Tensor, rows: int) -> Tensor:
+    """Each (token, k) copy's row in ``[rows; zero row]``: a row the forward dropped (index >= rows) reads the zero
+    row appended at ``rows`` (exact zeros: no ``0 * inf = NaN`` from masking)."""
+    s = sorted_indices.long()
+    return torch.where(s < rows, s, rows)
+
+
+def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                        compute: torch.dtype = torch.float32) -> Tensor:
+    """aclnnMoeTokenUnpermute: ``out[t] = sum_{k<K} probs[t, k] * permuted[sorted_indices[t*K + k]]`` in
+    ``compute``, k in order, each product rounded to ``compute`` before it is added (probs None: K = 1, weight 1).
+
+    sorted_indices must be a permutation of ``[0, T*K)`` (CANN: no repeated index; OpError 161002 otherwise);
+    entries ``>= A = permuted.shape[0]`` name dropped rows and add 0.
+    """
+    checked_permutation(sorted_indices, "moe_token_unpermute")
+    rows, hidden = permuted_tokens.shape
+    k = 1 if probs is None else probs.shape[1]
+    padded = torch.cat([permuted_tokens.to(compute), permuted_tokens.new_zeros(1, hidden, dtype=compute)])
+    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(-1, k, hidden)
+    if probs is not None:
+        picked = picked * probs.to(compute)[:, :, None]
+    out = picked[:, 0]
+    for j in range(1, k):  # fixed order: k = 0, 1, ..., K-1
+        out = out + picked[:, j]
+    return out.to(permuted_tokens.dtype)
+
+
+def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                             probs: Tensor | None, compute: torch.dtype = torch.float32, *,
+                             trusted: bool = False) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenUnpermuteGrad, in ``compute`` then rounded once::
+
+        grad_permuted[sorted_indices[i]] = grad_unpermuted[i // K] * probs.flat[i]        (for indices < A)
+        grad_probs[t, k] = sum_h grad_unpermuted[t, h] * permuted[sorted_indices[t*K + k], h]   (0 if dropped)
+
+    Returns ``(grad_permuted (A, H) in permuted's dtype, grad_probs (T, K) in probs' dtype)``; without probs
+    (K = 1, weight 1) the second is an empty tensor of permuted's dtype. sorted_indices as in
+    :func:`moe_token_unpermute` (checked unless ``trusted``: the backward of this package's own forward); being a
+    permutation, every row below A receives exactly one gradient row.
+    """
+    if not trusted:
+        checked_permutation(sorted_indices, "moe_token_unpermute_grad")
+    rows, hidden = permuted_tokens.shape
+    k = 1 if probs is None else probs.shape[1]
+    s = sorted_indices.long()
+    kept = (s < rows).nonzero().reshape(-1)  # the (token, k) copies whose row is present
+    g = grad_unpermuted.to(compute)
+    rows_of_copies = g.index_select(0, kept // k)
+    if probs is not None:
+        rows_of_copies = rows_of_copies * probs.reshape(-1).to(compute).index_select(0, kept)[:, None]
+    grad_permuted = torch.empty(rows, hidden, dtype=compute, device=permuted_tokens.device)
+    grad_permuted[s.index_select(0, kept)] = rows_of_copies  # index_put, no accumulation: one source per row
+    if probs is None:
+        return grad_permuted.to(permuted_tokens.dtype), permuted_tokens.new_empty(0)
+    padded = torch.cat([permuted_tokens.to(compute), permuted_tokens.new_zeros(1, hidden, dtype=compute)])
+    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(-1, k, hidden)
+    grad_probs = (picked * g[:, None, :]).sum(dim=-1)
+    return grad_permuted.to(permuted_tokens.dtype), grad_probs.to(probs.dtype)
