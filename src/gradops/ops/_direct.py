@@ -10,6 +10,8 @@ lazy negation or conjugation bit, and the profiler (so that traces still name ``
 these is active, :class:`DirectOp` runs the op body - the op's single dispatch point, which validates and picks
 the backend - directly, or, when autograd records the call, through a ``torch.autograd.Function`` built from the
 same setup_context / backward pair the op registers. Results are the same bits either way (tests/test_direct.py).
+Under torch.func, grad / vjp run the op inside a setup_context-style Function (torch.library's own autograd lacks
+one), and vmap runs the op's vmap rule: the op once per sample (tests/test_func.py).
 
 The test reads eight torch hooks, seven of them private. They are looked up once, at import: on a torch that
 lacks one (renamed in a later release), every call takes the op path - slower, never wrong - and :data:`DISABLED`
@@ -121,6 +123,26 @@ def own(*results: Tensor) -> Any:
     return results[0].detach() if len(results) == 1 else tuple(t.detach() for t in results)
 
 
+def _sample_by_sample(op: Callable[..., Any]) -> Callable[..., Any]:
+    """The vmap rule of ``op``: the op once per sample of the batch, results stacked along dim 0.
+
+    One rule for every op, and the only one that is right for all of them: folding the batch into the rows would
+    sum a per-sample weight gradient (dgamma, dbeta, the embedding table) over the batch, and per-sample
+    gradients (``vmap(grad(f))``) are what vmap is mostly used for here. Cost: one call per sample.
+    """
+
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: object) -> tuple[Any, Any]:
+        if info.batch_size == 0:
+            raise RuntimeError(f"{op}: vmap over an empty batch is not supported")
+        results = [op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))  # type: ignore[union-attr]
+                   for i in range(info.batch_size)]
+        if isinstance(results[0], tuple):
+            return tuple(torch.stack(parts) for parts in zip(*results)), (0,) * len(results[0])
+        return torch.stack(results), 0
+
+    return rule
+
+
 class DirectOp:
     """``torch.library.custom_op(name)`` over ``body``, callable like the op with an eager fast path.
 
@@ -131,6 +153,7 @@ class DirectOp:
     def __init__(self, name: str, body: Callable[..., Any]) -> None:
         self.body = body
         self.op = torch.library.custom_op(name, mutates_args=())(body)
+        self.op.register_vmap(_sample_by_sample(self.op))
         self.function: type[torch.autograd.Function] | None = None
         name = body.__name__.removesuffix("_body").lstrip("_")
 
@@ -176,9 +199,10 @@ class DirectOp:
         def setup(ctx: Any, inputs: tuple, output: Any) -> None:
             setup_context(ctx, inputs, output)
 
+        # generate_vmap_rule: under vmap(grad(f)) the forward runs batched, reaching the op's own vmap rule.
         return type(f"{name}_functorch", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
-                     "backward": staticmethod(backward)})
+                     "backward": staticmethod(backward), "generate_vmap_rule": True})
 
     def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
         """Run the op on positional ``args``.
