@@ -110,7 +110,7 @@ def test_grad_through_the_functional_forwards(backend):
     for name, fn in cases.items():
         z = x.clone().requires_grad_()
         _loss(fn(z)).backward()
-        assert torch.equal(grad(lambda v: _loss(fn(v)))(x), z.grad), name
+        assert torch.equal(grad(lambda v, fn=fn: _loss(fn(v)))(x), z.grad), name
 
 
 def test_vmap_of_backward_ops_maps_each_sample(backend):
