@@ -64,8 +64,9 @@ def _unavailable(op: str, name: str, message: str) -> BackendUnavailable:
 
 
 class Choice(NamedTuple):
-    """What :func:`decide` answers: the backend's name, its function for the op, and its workspace hook
-    (``<op>_workspace`` on the backend module: same positional args, returns bytes) or None."""
+    """What :func:`decide` answers: the backend's name, its function for the op (on the contract's 2-D views),
+    and its workspace hook (``<op>_workspace`` on the backend module: same positional args, returns bytes) or
+    None."""
 
     name: str
     fn: Callable
@@ -171,18 +172,42 @@ def choose(op: str, device: torch.device) -> Choice:
     hit = _chosen.get(key)
     if hit is not None and sys.modules.get(hit[1]) is hit[2]:
         return hit[0]
+    entry = decide_with_token(op, device)
+    _chosen[key] = entry
+    return entry[0]
+
+
+def environment_key() -> tuple:
+    """What a remembered choice depends on besides the device and op: the two variables (raw, ~0.06 µs each)."""
+    return _getenv(_ENV_KEY), _getenv(_INTERPRET_KEY)
+
+
+def shaped(op: str, choice: Choice) -> Callable | None:
+    """The backend's shaped entry of ``op``, ``<op>_shaped(plan, *args)`` on its module, or None: the op's own
+    arguments in their own shapes plus the contract's plan, results in the op's shapes (see
+    :mod:`gradops.ops._plan`)."""
+    module = _module(choice.name)
+    return getattr(module, f"{op}_shaped", None) if module is not None else None
+
+
+def decide_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
+    """:func:`decide` and what keeps it valid: the name of the backend module it was decided for and that module
+    as ``sys.modules`` holds it now. A cache of choices checks ``sys.modules.get(token) is module`` on a hit."""
     chosen = decide(op, device)
     wanted = requested()
     token = MODULES.get(_FIRST.get(device.type, "torch") if wanted == "auto" else wanted, MODULES["torch"])
-    _chosen[key] = (chosen, token, sys.modules.get(token))
-    return chosen
+    return chosen, token, sys.modules.get(token)
 
 
 def forget() -> None:
-    """Drop remembered choices and imported backend modules (after installing or removing a dependency)."""
+    """Drop remembered choices, the ops' remembered call plans and imported backend modules (after installing or
+    removing a dependency)."""
     _chosen.clear()
     _module.cache_clear()
     _import_errors.clear()
+    plans = sys.modules.get("gradops.ops._plan")
+    if plans is not None:
+        plans.forget_all()
 
 
 os.register_at_fork(after_in_child=_chosen.clear)

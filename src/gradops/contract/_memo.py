@@ -30,7 +30,7 @@ LIMIT = 256
 T = TypeVar("T")
 
 
-def _key(args: tuple) -> tuple | None:
+def key_of(args: tuple) -> tuple | None:
     """The metadata a check reads from ``args``, or None when some argument is not plain (see the module doc)."""
     key = []
     for a in args:
@@ -52,7 +52,7 @@ def remembered(check: Callable[..., T]) -> Callable[..., T]:
 
     @wraps(check)
     def call(*args: object) -> T:
-        key = _key(args)
+        key = key_of(args)
         if key is None:
             return check(*args)
         try:

@@ -138,11 +138,7 @@ def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) ->
         return
 
     def error() -> OpError:
-        flat = values.reshape(-1)
-        pos = int(((flat.float() + floor) < 0).nonzero()[0, 0])
-        what = ("a variance, >= -epsilon (were mean and variance swapped? LayerNormGrad takes variance first)"
-                if floor else "an rstd = (variance + epsilon)^-0.5, >= 0 (was mean passed as rstd?)")
-        return fail(INVALID, op, name, what, f"{flat[pos].item()} at row {pos}")
+        return statistic_error(op, name, values, floor)
 
     if values.device.type == "cuda":
         try:
@@ -154,3 +150,13 @@ def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) ->
             return
     if float(values.min()) + floor < 0:
         raise error()
+
+
+def statistic_error(op: str, name: str, values: torch.Tensor, floor: float) -> OpError:
+    """The OpError of :func:`checked_statistic` for ``values`` that have an entry with ``values + floor < 0``:
+    one text for that check and for the compiled CPU kernels, which test the statistics as they read them."""
+    flat = values.reshape(-1)
+    pos = int(((flat.double() + floor) < 0).nonzero()[0, 0])
+    what = ("a variance, >= -epsilon (were mean and variance swapped? LayerNormGrad takes variance first)"
+            if floor else "an rstd = (variance + epsilon)^-0.5, >= 0 (was mean passed as rstd?)")
+    return fail(INVALID, op, name, what, f"{flat[pos].item()} at row {pos}")

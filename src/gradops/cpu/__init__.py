@@ -48,18 +48,23 @@ from .hardswish import hardswish, hardswish_backward
 from .layer_norm import (
     layer_norm,
     layer_norm_backward,
+    layer_norm_backward_shaped,
     layer_norm_backward_workspace,
     layer_norm_grad,
     layer_norm_grad_beta,
+    layer_norm_grad_beta_shaped,
     layer_norm_grad_beta_workspace,
+    layer_norm_grad_shaped,
+    layer_norm_shaped,
 )
 from .moe_permute import moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
-from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_shaped, rms_norm_grad_workspace, rms_norm_shaped
 
 __all__ = [
-    "cache_dir", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish",
-    "hardswish_backward", "layer_norm", "layer_norm_backward", "layer_norm_backward_workspace", "layer_norm_grad",
-    "layer_norm_grad_beta", "layer_norm_grad_beta_workspace", "moe_token_permute_grad", "moe_token_unpermute",
-    "moe_token_unpermute_grad", "rms_norm",
-    "rms_norm_grad", "rms_norm_grad_workspace",
+    "cache_dir", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",
+    "layer_norm", "layer_norm_backward", "layer_norm_backward_shaped", "layer_norm_backward_workspace",
+    "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_grad_beta_shaped", "layer_norm_grad_beta_workspace",
+    "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute_grad", "moe_token_unpermute",
+    "moe_token_unpermute_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace",
+    "rms_norm_shaped",
 ]

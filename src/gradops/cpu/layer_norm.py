@@ -12,36 +12,67 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ._host import as_array, finish, output, row_blocks, safe_entry, scratch
+from ..contract.layer_norm import LayerNormPlan, statistic_error
+from . import _pool
+from ._host import PARALLEL_MIN, dense, finish, output, row_blocks, safe_entry, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
+from ._views import F32, STORAGE, view1, view2
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _layer_norm_kernel(x, gamma, beta, eps, y, mean, var):  # pragma: no cover - compiled
+@njit(cache=True, fastmath=FASTMATH)
+def _layer_norm_row(x, gamma, beta, eps, y, mean, var, r):  # pragma: no cover - compiled
     """``mean = sum(x)/N``, ``var = sum((x-mean)^2)/N`` (biased, two passes), ``y = (x-mean)·rsqrt(var+eps)·gamma
-    + beta``; one row per iteration. Bytes: ``M·N·2s + 8M + N·(s_g + s_b)``."""
-    m, n = x.shape
-    inv_n = np.float32(1.0) / np.float32(n)
-    inv_n64 = 1.0 / n
-    for r in prange(m):
-        # The variance sums in float64: it is an output in its own right, and a float32 sum's error depends on
-        # the vector width numba picks (measured at 64 x 520: 2.4e-7 relative on AVX2 against PyTorch's 1.3e-7;
-        # 0.5e-7 this way). The mean's float32 sum stays within PyTorch's error.
-        t = np.float32(0.0)
-        for j in range(n):
-            t += ld(x, (r, j))
-        mu = t * inv_n
-        q = np.float64(0.0)
-        for j in range(n):
-            d = np.float64(ld(x, (r, j)) - mu)
-            q += d * d
-        v = np.float32(q * inv_n64)
-        mean[r] = mu
-        var[r] = v
-        s = np.float32(1.0) / np.sqrt(v + eps)
-        for j in range(n):
-            st(y, (r, j), (ld(x, (r, j)) - mu) * s * ld(gamma, j) + ld(beta, j))
+    + beta`` for row r."""
+    n = x.shape[1]
+    # The variance sums in float64: it is an output in its own right, and a float32 sum's error depends on the
+    # vector width numba picks (measured at 64 x 520: 2.4e-7 relative on AVX2 against PyTorch's 1.3e-7; 0.5e-7
+    # this way). The mean's float32 sum stays within PyTorch's error.
+    t = np.float32(0.0)
+    for j in range(n):
+        t += ld(x, (r, j))
+    mu = t * (np.float32(1.0) / np.float32(n))
+    q = np.float64(0.0)
+    for j in range(n):
+        d = np.float64(ld(x, (r, j)) - mu)
+        q += d * d
+    v = np.float32(q * (1.0 / n))
+    mean[r] = mu
+    var[r] = v
+    s = np.float32(1.0) / np.sqrt(v + eps)
+    for j in range(n):
+        st(y, (r, j), (ld(x, (r, j)) - mu) * s * ld(gamma, j) + ld(beta, j))
+
+
+@njit(parallel=True, cache=True)
+def _layer_norm_parallel(x, gamma, beta, eps, y, mean, var):  # pragma: no cover - compiled
+    for r in prange(x.shape[0]):
+        _layer_norm_row(x, gamma, beta, eps, y, mean, var, r)
+
+
+@njit(cache=True)
+def _layer_norm_entry(x_at, dtype, gamma_at, gamma_dtype, beta_at, beta_dtype, eps, y_at, mean_at, var_at, m,
+                      n):  # pragma: no cover - compiled
+    """The forward by address (see :mod:`gradops.cpu._views`), one row per iteration (serial below
+    :data:`PARALLEL_MIN` items). Bytes: ``M·N·2s + 8M + N·(s_g + s_b)``."""
+    x, y = view2(x_at, dtype, m, n), view2(y_at, dtype, m, n)
+    gamma, beta = view1(gamma_at, gamma_dtype, n), view1(beta_at, beta_dtype, n)
+    mean, var = view1(mean_at, F32, m), view1(var_at, F32, m)
+    eps = np.float32(eps)
+    if m * n < PARALLEL_MIN:
+        for r in range(m):
+            _layer_norm_row(x, gamma, beta, eps, y, mean, var, r)
+    else:
+        _layer_norm_parallel(x, gamma, beta, eps, y, mean, var)
+
+
+@njit(cache=True)
+def _first_below(values, floor):  # pragma: no cover - compiled
+    """The first row whose statistic has ``values + floor < 0`` (float64, as the host check), or -1; NaN passes."""
+    for r in range(values.shape[0]):
+        if np.float64(values[r]) + floor < 0.0:
+            return r
+    return -1
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -66,108 +97,186 @@ def _row_terms(dy, x, gamma, r, mu, s, inv_n):  # pragma: no cover - compiled
     return pd_var * np.float32(2.0) * inv_n, pd_mean * inv_n
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _layer_norm_grad_kernel(dy, x, var, mean, gamma, eps, pdx, res):  # pragma: no cover - compiled
-    """AscendC LayerNormGrad per row (rstd = (var + eps)^-0.5): ``pd_x = dy·gamma·rstd + a·(x-mean) + b`` with
-    a, b from :func:`_row_terms`, ``res_for_gamma = (x-mean)·rstd``. Bytes: ``M·N·(s_dy + 3·s_x) + 8M + N·s_g``."""
-    m, n = x.shape
-    inv_n = np.float32(1.0) / np.float32(n)
-    for r in prange(m):
-        mu = mean[r]
-        s = np.float32(1.0) / np.sqrt(var[r] + eps)
-        a, b = _row_terms(dy, x, gamma, r, mu, s, inv_n)
-        for j in range(n):
-            xmu = ld(x, (r, j)) - mu
-            st(pdx, (r, j), ld(dy, (r, j)) * ld(gamma, j) * s + a * xmu + b)
-            st(res, (r, j), xmu * s)
+@njit(fastmath=FASTMATH, cache=True)
+def _layer_norm_grad_row(dy, x, var, mean, gamma, eps, pdx, res, r):  # pragma: no cover - compiled
+    """AscendC LayerNormGrad of row r (rstd = (var + eps)^-0.5): ``pd_x = dy·gamma·rstd + a·(x-mean) + b`` with
+    a, b from :func:`_row_terms`, ``res_for_gamma = (x-mean)·rstd``."""
+    n = x.shape[1]
+    mu = mean[r]
+    s = np.float32(1.0) / np.sqrt(var[r] + eps)
+    a, b = _row_terms(dy, x, gamma, r, mu, s, np.float32(1.0) / np.float32(n))
+    for j in range(n):
+        xmu = ld(x, (r, j)) - mu
+        st(pdx, (r, j), ld(dy, (r, j)) * ld(gamma, j) * s + a * xmu + b)
+        st(res, (r, j), xmu * s)
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _grad_beta_kernel(res, dy, pg, pb, pd_gamma, pd_beta):  # pragma: no cover - compiled
-    """Fixed row blocks b: ``pg[b,j] = sum_r dy·res``, ``pb[b,j] = sum_r dy`` in fp32, four rows per partial
-    update (79% -> 98% of copy_ at 8192 x 4096 fp32). Bytes: ``2·M·N·s`` (+ the partials, cache resident)."""
+@njit(parallel=True, cache=True)
+def _layer_norm_grad_parallel(dy, x, var, mean, gamma, eps, pdx, res):  # pragma: no cover - compiled
+    for r in prange(x.shape[0]):
+        _layer_norm_grad_row(dy, x, var, mean, gamma, eps, pdx, res, r)
+
+
+@njit(cache=True)
+def _layer_norm_grad_entry(dy_at, x_at, dtype, var_at, mean_at, gamma_at, gamma_dtype, eps, pdx_at, res_at, m, n,
+                           check):  # pragma: no cover - compiled
+    """LayerNormGrad by address; with ``check``, first the row of a variance below -epsilon (nothing computed),
+    else -1. Bytes: ``M·N·(s_dy + 3·s_x) + 8M + N·s_g``."""
+    var, mean = view1(var_at, F32, m), view1(mean_at, F32, m)
+    if check:
+        bad = _first_below(var, eps)
+        if bad >= 0:
+            return bad
+    dy, x = view2(dy_at, dtype, m, n), view2(x_at, dtype, m, n)
+    pdx, res = view2(pdx_at, dtype, m, n), view2(res_at, dtype, m, n)
+    gamma = view1(gamma_at, gamma_dtype, n)
+    eps32 = np.float32(eps)
+    if m * n < PARALLEL_MIN:
+        for r in range(m):
+            _layer_norm_grad_row(dy, x, var, mean, gamma, eps32, pdx, res, r)
+    else:
+        _layer_norm_grad_parallel(dy, x, var, mean, gamma, eps32, pdx, res)
+    return -1
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _grad_beta_block(res, dy, pg, pb, b):  # pragma: no cover - compiled
+    """Row block b: ``pg[b,j] = sum_r dy·res``, ``pb[b,j] = sum_r dy`` in fp32, four rows per partial update
+    (79% -> 98% of copy_ at 8192 x 4096 fp32)."""
     m, n = dy.shape
     nblk = pg.shape[0]
     per = (m + nblk - 1) // nblk
-    for b in prange(nblk):
-        ag = pg[b]
-        ab = pb[b]
+    ag = pg[b]
+    ab = pb[b]
+    for j in range(n):
+        ag[j] = np.float32(0.0)
+        ab[j] = np.float32(0.0)
+    r = b * per
+    end = min(m, r + per)
+    while r + 4 <= end:
         for j in range(n):
-            ag[j] = np.float32(0.0)
-            ab[j] = np.float32(0.0)
-        r = b * per
-        end = min(m, r + per)
-        while r + 4 <= end:
-            for j in range(n):
-                g0, g1, g2, g3 = ld(dy, (r, j)), ld(dy, (r + 1, j)), ld(dy, (r + 2, j)), ld(dy, (r + 3, j))
-                ag[j] += (g0 * ld(res, (r, j)) + g1 * ld(res, (r + 1, j)) + g2 * ld(res, (r + 2, j))
-                          + g3 * ld(res, (r + 3, j)))
-                ab[j] += g0 + g1 + g2 + g3
-            r += 4
-        while r < end:
-            for j in range(n):
-                g = ld(dy, (r, j))
-                ag[j] += g * ld(res, (r, j))
-                ab[j] += g
-            r += 1
-    fold_partials(pg, pd_gamma)
-    fold_partials(pb, pd_beta)
+            g0, g1, g2, g3 = ld(dy, (r, j)), ld(dy, (r + 1, j)), ld(dy, (r + 2, j)), ld(dy, (r + 3, j))
+            ag[j] += (g0 * ld(res, (r, j)) + g1 * ld(res, (r + 1, j)) + g2 * ld(res, (r + 2, j))
+                      + g3 * ld(res, (r + 3, j)))
+            ab[j] += g0 + g1 + g2 + g3
+        r += 4
+    while r < end:
+        for j in range(n):
+            g = ld(dy, (r, j))
+            ag[j] += g * ld(res, (r, j))
+            ab[j] += g
+        r += 1
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _layer_norm_backward_kernel(dy, x, mean, rstd, gamma, dx, pg, pb, dgamma, dbeta):  # pragma: no cover - compiled
-    """LayerNormGrad + LayerNormGradBeta in one pass over dy and x: per row pd_x as in
-    :func:`_layer_norm_grad_kernel` (rstd given), and per fixed row block ``pg += dy·(x-mean)·rstd``,
-    ``pb += dy`` in fp32, four rows per partial update. Bytes: ``M·N·(s_dy + s_x + s_dx) + 8M + N·s_g``."""
+@njit(parallel=True, cache=True)
+def _grad_beta_parallel(res, dy, pg, pb):  # pragma: no cover - compiled
+    for b in prange(pg.shape[0]):
+        _grad_beta_block(res, dy, pg, pb, b)
+
+
+@njit(cache=True)
+def _grad_beta_entry(res_at, dy_at, dtype, pg, pb, gamma_at, beta_at, m, n):  # pragma: no cover - compiled
+    """LayerNormGradBeta by address: the fixed row blocks, then their partials folded in block order. Bytes:
+    ``2·M·N·s`` (+ the partials, cache resident)."""
+    res, dy = view2(res_at, dtype, m, n), view2(dy_at, dtype, m, n)
+    if m * n < PARALLEL_MIN:
+        for b in range(pg.shape[0]):
+            _grad_beta_block(res, dy, pg, pb, b)
+    else:
+        _grad_beta_parallel(res, dy, pg, pb)
+    fold_partials(pg, view1(gamma_at, dtype, n))
+    fold_partials(pb, view1(beta_at, dtype, n))
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover - compiled
+    """Row block b of the fused backward: per row pd_x as in :func:`_layer_norm_grad_row` (rstd given), and
+    ``pg[b] += dy·(x-mean)·rstd``, ``pb[b] += dy`` in fp32, four rows per partial update."""
     m, n = x.shape
     nblk = pg.shape[0]
     per = (m + nblk - 1) // nblk
     inv_n = np.float32(1.0) / np.float32(n)
-    for b in prange(nblk):
-        ag = pg[b]
-        ab = pb[b]
+    ag = pg[b]
+    ab = pb[b]
+    for j in range(n):
+        ag[j] = np.float32(0.0)
+        ab[j] = np.float32(0.0)
+    r = b * per
+    end = min(m, r + per)
+    while r + 4 <= end:
+        u0, s0, u1, s1 = mean[r], rstd[r], mean[r + 1], rstd[r + 1]
+        u2, s2, u3, s3 = mean[r + 2], rstd[r + 2], mean[r + 3], rstd[r + 3]
+        a0, c0 = _row_terms(dy, x, gamma, r, u0, s0, inv_n)
+        a1, c1 = _row_terms(dy, x, gamma, r + 1, u1, s1, inv_n)
+        a2, c2 = _row_terms(dy, x, gamma, r + 2, u2, s2, inv_n)
+        a3, c3 = _row_terms(dy, x, gamma, r + 3, u3, s3, inv_n)
         for j in range(n):
-            ag[j] = np.float32(0.0)
-            ab[j] = np.float32(0.0)
-        r = b * per
-        end = min(m, r + per)
-        while r + 4 <= end:
-            u0, s0, u1, s1 = mean[r], rstd[r], mean[r + 1], rstd[r + 1]
-            u2, s2, u3, s3 = mean[r + 2], rstd[r + 2], mean[r + 3], rstd[r + 3]
-            a0, c0 = _row_terms(dy, x, gamma, r, u0, s0, inv_n)
-            a1, c1 = _row_terms(dy, x, gamma, r + 1, u1, s1, inv_n)
-            a2, c2 = _row_terms(dy, x, gamma, r + 2, u2, s2, inv_n)
-            a3, c3 = _row_terms(dy, x, gamma, r + 3, u3, s3, inv_n)
-            for j in range(n):
-                gj = ld(gamma, j)
-                x0, d0 = ld(x, (r, j)) - u0, ld(dy, (r, j))
-                x1, d1 = ld(x, (r + 1, j)) - u1, ld(dy, (r + 1, j))
-                x2, d2 = ld(x, (r + 2, j)) - u2, ld(dy, (r + 2, j))
-                x3, d3 = ld(x, (r + 3, j)) - u3, ld(dy, (r + 3, j))
-                st(dx, (r, j), d0 * gj * s0 + a0 * x0 + c0)
-                st(dx, (r + 1, j), d1 * gj * s1 + a1 * x1 + c1)
-                st(dx, (r + 2, j), d2 * gj * s2 + a2 * x2 + c2)
-                st(dx, (r + 3, j), d3 * gj * s3 + a3 * x3 + c3)
-                ag[j] += d0 * (x0 * s0) + d1 * (x1 * s1) + d2 * (x2 * s2) + d3 * (x3 * s3)
-                ab[j] += d0 + d1 + d2 + d3
-            r += 4
-        while r < end:
-            mu = mean[r]
-            s = rstd[r]
-            a, c = _row_terms(dy, x, gamma, r, mu, s, inv_n)
-            for j in range(n):
-                xmu = ld(x, (r, j)) - mu
-                g = ld(dy, (r, j))
-                st(dx, (r, j), g * ld(gamma, j) * s + a * xmu + c)
-                ag[j] += g * (xmu * s)
-                ab[j] += g
-            r += 1
-    fold_partials(pg, dgamma)
-    fold_partials(pb, dbeta)
+            gj = ld(gamma, j)
+            x0, d0 = ld(x, (r, j)) - u0, ld(dy, (r, j))
+            x1, d1 = ld(x, (r + 1, j)) - u1, ld(dy, (r + 1, j))
+            x2, d2 = ld(x, (r + 2, j)) - u2, ld(dy, (r + 2, j))
+            x3, d3 = ld(x, (r + 3, j)) - u3, ld(dy, (r + 3, j))
+            st(dx, (r, j), d0 * gj * s0 + a0 * x0 + c0)
+            st(dx, (r + 1, j), d1 * gj * s1 + a1 * x1 + c1)
+            st(dx, (r + 2, j), d2 * gj * s2 + a2 * x2 + c2)
+            st(dx, (r + 3, j), d3 * gj * s3 + a3 * x3 + c3)
+            ag[j] += d0 * (x0 * s0) + d1 * (x1 * s1) + d2 * (x2 * s2) + d3 * (x3 * s3)
+            ab[j] += d0 + d1 + d2 + d3
+        r += 4
+    while r < end:
+        mu = mean[r]
+        s = rstd[r]
+        a, c = _row_terms(dy, x, gamma, r, mu, s, inv_n)
+        for j in range(n):
+            xmu = ld(x, (r, j)) - mu
+            g = ld(dy, (r, j))
+            st(dx, (r, j), g * ld(gamma, j) * s + a * xmu + c)
+            ag[j] += g * (xmu * s)
+            ab[j] += g
+        r += 1
+
+
+@njit(parallel=True, cache=True)
+def _backward_parallel(dy, x, mean, rstd, gamma, dx, pg, pb):  # pragma: no cover - compiled
+    for b in prange(pg.shape[0]):
+        _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b)
+
+
+@njit(cache=True)
+def _backward_entry(dy_at, x_at, dtype, mean_at, rstd_at, gamma_at, gamma_dtype, dx_at, pg, pb, dgamma_at, dbeta_at,
+                    m, n, check):  # pragma: no cover - compiled
+    """LayerNormGrad + LayerNormGradBeta in one pass over dy and x, by address; with ``check``, first the row of a
+    negative rstd (nothing computed) or -1. Bytes: ``M·N·(s_dy + s_x + s_dx) + 8M + N·s_g``."""
+    mean, rstd = view1(mean_at, F32, m), view1(rstd_at, F32, m)
+    if check:
+        bad = _first_below(rstd, 0.0)
+        if bad >= 0:
+            return bad
+    dy, x, dx = view2(dy_at, dtype, m, n), view2(x_at, dtype, m, n), view2(dx_at, dtype, m, n)
+    gamma = view1(gamma_at, gamma_dtype, n)
+    if m * n < PARALLEL_MIN:
+        for b in range(pg.shape[0]):
+            _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b)
+    else:
+        _backward_parallel(dy, x, mean, rstd, gamma, dx, pg, pb)
+    fold_partials(pg, view1(dgamma_at, F32, n))
+    fold_partials(pb, view1(dbeta_at, F32, n))
+    return -1
 
 
 def _outs(out, i):
     return out[i] if out else None
+
+
+def _layer_norm_run(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, y: Tensor, mean: Tensor, var: Tensor,
+                    m: int, n: int) -> None:
+    if m and n:
+        x, gamma, beta = dense(x), dense(gamma), dense(beta)
+        _layer_norm_entry(x.data_ptr(), STORAGE[x.dtype], gamma.data_ptr(), STORAGE[gamma.dtype], beta.data_ptr(),
+                          STORAGE[beta.dtype], float(epsilon), y.data_ptr(), mean.data_ptr(), var.data_ptr(), m, n)
+    else:
+        mean.zero_()
+        var.zero_()
 
 
 @safe_entry
@@ -178,31 +287,80 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
     y = output(_outs(out, 0), (m, n), x.dtype)
     mean = output(_outs(out, 1), (m,), torch.float32)
     var = output(_outs(out, 2), (m,), torch.float32)
-    if m and n:
-        _layer_norm_kernel(as_array(x), as_array(gamma), as_array(beta), np.float32(epsilon), as_array(y),
-                           as_array(mean), as_array(var))
-    else:
-        mean.zero_()
-        var.zero_()
+    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, m, n)
     return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
 
 
 @safe_entry
+def layer_norm_shaped(plan: LayerNormPlan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """The op on x of any shape (see :mod:`gradops.ops._plan`): y of x's shape, mean and variance float32 of
+    ``x.shape[:-1]``."""
+    x = dense(x)
+    stat = x.shape[:-1]
+    y, mean, var = _pool.empty_like(x), _pool.empty(stat, torch.float32), _pool.empty(stat, torch.float32)
+    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, plan.rows, plan.cols)
+    return y, mean, var
+
+
+def _layer_norm_grad_run(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float,
+                         pdx: Tensor, res: Tensor, m: int, n: int, check: bool) -> None:
+    """LayerNormGrad into contiguous pdx, res; with ``check``, a variance below -epsilon raises the contract's
+    OpError (161002) before anything is written (the kernel finds it)."""
+    if not m:
+        return
+    variance, mean, dy, x, gamma = dense(variance.float()), dense(mean.float()), dense(dy), dense(x), dense(gamma)
+    if n:
+        bad = _layer_norm_grad_entry(dy.data_ptr(), x.data_ptr(), STORAGE[x.dtype], variance.data_ptr(),
+                                     mean.data_ptr(), gamma.data_ptr(), STORAGE[gamma.dtype], float(epsilon),
+                                     pdx.data_ptr(), res.data_ptr(), m, n, check)
+    else:
+        bad = _first_below(variance.numpy(), float(epsilon)) if check else -1
+    if bad >= 0:
+        raise statistic_error("layer_norm_grad", "variance", variance, float(epsilon))
+
+
+@safe_entry
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float, *,
-                    out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """AscendC LayerNormGrad on the 2-D views: ``(pdx, res_for_gamma)``, both in x's dtype."""
+                    out: tuple[Tensor, Tensor] | None = None, check_statistics: bool = False
+                    ) -> tuple[Tensor, Tensor]:
+    """AscendC LayerNormGrad on the 2-D views: ``(pdx, res_for_gamma)``, both in x's dtype. A variance below
+    -epsilon gives NaN rows as in AscendC, or with ``check_statistics`` raises the contract's OpError (161002)
+    before anything is written."""
     m, n = x.shape
     pdx = output(_outs(out, 0), (m, n), x.dtype)
     res = output(_outs(out, 1), (m, n), x.dtype)
-    if m and n:
-        _layer_norm_grad_kernel(as_array(dy), as_array(x), as_array(variance.float()), as_array(mean.float()),
-                                as_array(gamma), np.float32(epsilon), as_array(pdx), as_array(res))
+    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, m, n, check_statistics)
     return finish(pdx, _outs(out, 0)), finish(res, _outs(out, 1))
+
+
+@safe_entry
+def layer_norm_grad_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
+                           gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    """The op on its own shapes (see :func:`layer_norm_shaped`): pdx and res_for_gamma of x's shape; the
+    variance checked (as the public function promises)."""
+    x = dense(x)
+    pdx, res = _pool.empty_like(x), _pool.empty_like(x)
+    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, plan.rows, plan.cols, True)
+    return pdx, res
 
 
 def layer_norm_grad_beta_workspace(res_for_gamma: Tensor, dy: Tensor) -> int:
     """Bytes of the fp32 gamma and beta partials (one row each per row block)."""
     return 2 * row_blocks(dy.shape[0]) * dy.shape[1] * 4
+
+
+def _grad_beta_run(res_for_gamma: Tensor, dy: Tensor, pd_gamma: Tensor, pd_beta: Tensor, m: int, n: int,
+                   workspace: Tensor | None) -> None:
+    if not n:
+        return
+    nblk = row_blocks(m)
+    size = nblk * n * 4
+    pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
+    pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)
+    res_for_gamma, dy = dense(res_for_gamma), dense(dy)
+    _grad_beta_entry(res_for_gamma.data_ptr(), dy.data_ptr(), STORAGE[dy.dtype], pg, pb, pd_gamma.data_ptr(),
+                     pd_beta.data_ptr(), m, n)
 
 
 @safe_entry
@@ -212,13 +370,17 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     m, n = dy.shape
     pd_gamma = output(_outs(out, 0), (n,), dy.dtype)
     pd_beta = output(_outs(out, 1), (n,), dy.dtype)
-    nblk = row_blocks(m)
-    size = nblk * n * 4
-    pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
-    pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)
-    if n:
-        _grad_beta_kernel(as_array(res_for_gamma), as_array(dy), pg, pb, as_array(pd_gamma), as_array(pd_beta))
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, m, n, workspace)
     return finish(pd_gamma, _outs(out, 0)), finish(pd_beta, _outs(out, 1))
+
+
+@safe_entry
+def layer_norm_grad_beta_shaped(plan: LayerNormPlan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """The op on its own shapes: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
+    n = plan.cols
+    pd_gamma, pd_beta = _pool.empty((n,), dy.dtype), _pool.empty((n,), dy.dtype)
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, plan.rows, n, None)
+    return pd_gamma, pd_beta
 
 
 def layer_norm_backward_workspace(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> int:
@@ -226,23 +388,50 @@ def layer_norm_backward_workspace(dy: Tensor, x: Tensor, mean: Tensor, rstd: Ten
     return 2 * row_blocks(x.shape[0]) * x.shape[1] * 4
 
 
+def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, dx: Tensor, dgamma: Tensor,
+                  dbeta: Tensor, m: int, n: int, workspace: Tensor | None, check: bool) -> None:
+    """The fused backward into contiguous dx, dgamma, dbeta; with ``check``, a negative rstd raises the
+    contract's OpError (161002) before anything is written (the kernel finds it)."""
+    mean, rstd = dense(mean.float()), dense(rstd.float())
+    if m == 0 or n == 0:
+        if check and m and _first_below(rstd.numpy(), 0.0) >= 0:
+            raise statistic_error("layer_norm_backward", "rstd", rstd, 0.0)
+        dgamma.zero_()
+        dbeta.zero_()
+        return
+    nblk = row_blocks(m)
+    size = nblk * n * 4
+    pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
+    pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)
+    dy, x, gamma = dense(dy), dense(x), dense(gamma)
+    bad = _backward_entry(dy.data_ptr(), x.data_ptr(), STORAGE[x.dtype], mean.data_ptr(), rstd.data_ptr(),
+                          gamma.data_ptr(), STORAGE[gamma.dtype], dx.data_ptr(), pg, pb, dgamma.data_ptr(),
+                          dbeta.data_ptr(), m, n, check)
+    if bad >= 0:
+        raise statistic_error("layer_norm_backward", "rstd", rstd, 0.0)
+
+
 @safe_entry
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
-                        out: tuple[Tensor, Tensor, Tensor] | None = None, workspace: Tensor | None = None
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused LayerNorm backward on the 2-D views: ``(dx x.dtype, dgamma fp32, dbeta fp32)``, one pass over dy, x."""
+                        out: tuple[Tensor, Tensor, Tensor] | None = None, workspace: Tensor | None = None,
+                        check_statistics: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused LayerNorm backward on the 2-D views: ``(dx x.dtype, dgamma fp32, dbeta fp32)``, one pass over dy, x.
+    With ``check_statistics`` a negative rstd raises the contract's OpError (161002) before anything is written."""
     m, n = x.shape
     dx = output(_outs(out, 0), (m, n), x.dtype)
     dgamma = output(_outs(out, 1), (n,), torch.float32)
     dbeta = output(_outs(out, 2), (n,), torch.float32)
-    if m == 0 or n == 0:
-        dgamma.zero_()
-        dbeta.zero_()
-    else:
-        nblk = row_blocks(m)
-        size = nblk * n * 4
-        pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
-        pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)
-        _layer_norm_backward_kernel(as_array(dy), as_array(x), as_array(mean.float()), as_array(rstd.float()),
-                                    as_array(gamma), as_array(dx), pg, pb, as_array(dgamma), as_array(dbeta))
+    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, m, n, workspace, check_statistics)
     return finish(dx, _outs(out, 0)), finish(dgamma, _outs(out, 1)), finish(dbeta, _outs(out, 2))
+
+
+@safe_entry
+def layer_norm_backward_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                               gamma: Tensor, *, check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """The op on its own shapes: dx of x's shape, dgamma and dbeta float32 of gamma's; rstd checked unless it comes
+    from this package's own forward (``check_statistics=False``: ``(variance + eps)^-0.5`` is never negative)."""
+    x = dense(x)
+    dx, dgamma, dbeta = (_pool.empty_like(x), _pool.empty(gamma.shape, torch.float32),
+                         _pool.empty(gamma.shape, torch.float32))
+    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, plan.rows, plan.cols, None, check_statistics)
+    return dx, dgamma, dbeta

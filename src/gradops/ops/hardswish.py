@@ -5,22 +5,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import choose
 from ..contract import hardswish as contract
 from ..contract._memo import remembered
 from ._direct import DirectOp, own
 from ._out import check_out, refuse_autograd, run_into
+from ._plan import Planner
 
-# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
-# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
+# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_hardswish = remembered(contract.check_hardswish)
 check_hardswish_backward = remembered(contract.check_hardswish_backward)
+plan_hardswish = Planner("hardswish", contract.check_hardswish)
+plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1)
 
 
 def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
-    check_hardswish_backward(grad_output, self)
-    impl = choose("hardswish_backward", self.device).fn
-    return own(impl(grad_output, self))
+    return own(plan_hardswish_backward(grad_output, self).backend.fn(grad_output, self))
 
 
 _hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body)
@@ -33,9 +33,7 @@ def _(grad_output, self):
 
 
 def _hardswish_body(self: Tensor) -> Tensor:
-    check_hardswish(self)
-    impl = choose("hardswish", self.device).fn
-    return own(impl(self))
+    return own(plan_hardswish(self).backend.fn(self))
 
 
 _hardswish = DirectOp("gradops::hardswish", _hardswish_body)
@@ -64,10 +62,10 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides. ``out``: optional
     preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not differentiable)."""
     if out is not None:
-        check_hardswish(self)
+        plan = plan_hardswish(self)
         refuse_autograd("hardswish", self)
         outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
-        return run_into(choose("hardswish", self.device).fn, (self,), outs, [None])[0]
+        return run_into(plan.backend.fn, (self,), outs, [None])[0]
     return _hardswish(self, check=check_hardswish)
 
 
@@ -85,8 +83,8 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
         950 kernel).
     """
     if out is not None:
-        check_hardswish_backward(grad_output, self)
+        plan = plan_hardswish_backward(grad_output, self)
         outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, gradOutput=grad_output,
                          self=self)
-        return run_into(choose("hardswish_backward", self.device).fn, (grad_output, self), outs, [None])[0]
+        return run_into(plan.backend.fn, (grad_output, self), outs, [None])[0]
     return _hardswish_backward(grad_output, self, check=check_hardswish_backward)

@@ -5,27 +5,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import choose
 from ..contract import layer_norm as contract
 from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
 from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, refuse_autograd, run_into
+from ._plan import Planner
 
-# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
-# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
+# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_layer_norm = remembered(contract.check_layer_norm)
 check_layer_norm_backward = remembered(contract.check_layer_norm_backward)
 check_layer_norm_grad = remembered(contract.check_layer_norm_grad)
 check_layer_norm_grad_beta = remembered(contract.check_layer_norm_grad_beta)
 
 
-def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    rows, cols = check_layer_norm(x, gamma, beta, epsilon)
-    impl = choose("layer_norm", x.device).fn
-    y, mean, var = impl(fit(x, (rows, cols)), gamma, beta, epsilon)
+def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, var = fn(fit(x, (plan.rows, plan.cols)), gamma, beta, epsilon)
     stat = x.shape[:-1]
     return own(fit(y, x.shape), fit(mean, stat), fit(var, stat))
+
+
+plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d)
+
+
+def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+    plan = plan_layer_norm(x, gamma, beta, epsilon)
+    return plan.run(plan.shape, x, gamma, beta, epsilon)
 
 
 _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
@@ -38,14 +44,22 @@ def _(x, gamma, beta, epsilon):
     return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 
+def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
+                        epsilon: float) -> tuple[Tensor, Tensor]:
+    checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
+    rows, cols = plan
+    pdx, res = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma,
+                  epsilon)
+    return own(fit(pdx, x.shape), fit(res, x.shape))
+
+
+plan_layer_norm_grad = Planner("layer_norm_grad", contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d)
+
+
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                           epsilon: float) -> tuple[Tensor, Tensor]:
-    rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
-    checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
-    impl = choose("layer_norm_grad", x.device).fn
-    pdx, res = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)),
-                    gamma, epsilon)
-    return own(fit(pdx, x.shape), fit(res, x.shape))
+    plan = plan_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)  # the variance: checked by the run
+    return plan.run(plan.shape, dy, x, variance, mean, gamma, epsilon)
 
 
 _layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
@@ -57,10 +71,18 @@ def _(dy, x, variance, mean, gamma, epsilon):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+def _layer_norm_grad_beta_2d(fn, plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    rows, cols = plan
+    return own(*fn(fit(res_for_gamma, (rows, cols)), fit(dy, (rows, cols))))
+
+
+plan_layer_norm_grad_beta = Planner("layer_norm_grad_beta", contract.check_layer_norm_grad_beta, device_arg=1,
+                                    adapter=_layer_norm_grad_beta_2d)
+
+
 def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
-    impl = choose("layer_norm_grad_beta", dy.device).fn
-    return own(*impl(fit(res_for_gamma, (rows, cols)), fit(dy, (rows, cols))))
+    plan = plan_layer_norm_grad_beta(res_for_gamma, dy)
+    return plan.run(plan.shape, res_for_gamma, dy)
 
 
 _layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body)
@@ -72,22 +94,24 @@ def _(res_for_gamma, dy):
     return dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
 
 
+def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
+                            check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    if check_statistics:
+        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
+    rows, cols = plan
+    dx, dgamma, dbeta = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
+                           gamma)
+    return own(fit(dx, x.shape), dgamma, dbeta)
+
+
+plan_layer_norm_backward = Planner("layer_norm_backward", contract.check_layer_norm_backward,
+                                   adapter=_layer_norm_backward_2d)
+
+
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                               gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _layer_norm_backward_run(dy, x, mean, rstd, gamma)
-
-
-def _layer_norm_backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
-                             own_forward: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """The body; ``own_forward``: rstd comes from this op's own forward (never negative), so its data check is
-    skipped."""
-    rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
-    if not own_forward:
-        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
-    impl = choose("layer_norm_backward", x.device).fn
-    dx, dgamma, dbeta = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
-                             gamma)
-    return own(fit(dx, x.shape), dgamma, dbeta)
+    plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)  # rstd: checked by the run
+    return plan.run(plan.shape, dy, x, mean, rstd, gamma)
 
 
 _layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body)
@@ -118,7 +142,8 @@ def _backward(ctx, dy, dmean, dvar):
     # rstd = (var + eps)^-0.5 from this op's own forward is never negative: no data check (on CUDA, no flag to
     # carry) when the call runs eagerly; through the op (tracing, modes) the op checks as any direct call does.
     if eager_path(*args) == BODY:
-        dx, dgamma, dbeta = _layer_norm_backward_run(*args, own_forward=True)
+        plan = plan_layer_norm_backward(*args)
+        dx, dgamma, dbeta = plan.run(plan.shape, *args, check_statistics=False)
     else:
         dx, dgamma, dbeta = _layer_norm_backward(*args)
     if dmean is not None or dvar is not None:  # statistics used downstream: dmean/dx = 1/H, dvar/dx = 2(x-mean)/H
@@ -135,11 +160,11 @@ def _backward(ctx, dy, dmean, dvar):
 _layer_norm.register_autograd(_backward, setup_context=_setup)
 
 
-def _into(op: str, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
-    """The ``out=`` path of every op here: validate out, pick the backend, write (see :mod:`gradops.ops._out`)."""
+def _into(op: str, plan, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
+    """The ``out=`` path of every op here: validate out, write with the plan's backend (see
+    :mod:`gradops.ops._out`)."""
     outs = check_out(op, out, specs, device, **inputs)
-    impl = choose(op, device).fn
-    return run_into(impl, args, outs, shapes)
+    return run_into(plan.backend.fn, args, outs, shapes)
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
@@ -152,10 +177,11 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
         (the statistics AscendC LayerNormGrad takes).
     """
     if out is not None:
-        rows, cols = check_layer_norm(x, gamma, beta, epsilon)
+        plan = plan_layer_norm(x, gamma, beta, epsilon)
+        rows, cols = plan.shape
         refuse_autograd("layer_norm", x, gamma, beta)
         stat = (x.shape[:-1], torch.float32)
-        return _into("layer_norm", x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
+        return _into("layer_norm", plan, x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
                      [(x.shape, x.dtype), stat, stat], [(rows, cols), (rows,), (rows,)], x=x, gamma=gamma, beta=beta)
     return _layer_norm(x, gamma, beta, epsilon, check=check_layer_norm)
 
@@ -174,12 +200,13 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     to keep them apart. A variance below ``-epsilon`` (a swapped mean, typically) is refused with OpError 161002.
     """
     if out is not None:
-        rows, cols = check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+        plan = plan_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
+        rows, cols = plan.shape
         checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows), gamma,
                 epsilon)
-        return _into("layer_norm_grad", x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2, dy=dy, x=x,
-                     variance=variance, mean=mean, gamma=gamma)
+        return _into("layer_norm_grad", plan, x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2,
+                     dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
     return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon, check=check_layer_norm_grad)
 
 
@@ -189,9 +216,10 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     but the last; accumulated in float32, returned in the inputs' dtype (shape (H,)). ``out``: optional
     preallocated ``(pd_gamma, pd_beta)``."""
     if out is not None:
-        rows, cols = check_layer_norm_grad_beta(res_for_gamma, dy)
+        plan = plan_layer_norm_grad_beta(res_for_gamma, dy)
+        rows, cols = plan.shape
         args = (res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
-        return _into("layer_norm_grad_beta", dy.device, args, out, [(dy.shape[-1:], dy.dtype)] * 2, [None, None],
+        return _into("layer_norm_grad_beta", plan, dy.device, args, out, [(dy.shape[-1:], dy.dtype)] * 2, [None, None],
                      res_for_gamma=res_for_gamma, dy=dy)
     return _layer_norm_grad_beta(res_for_gamma, dy, check=check_layer_norm_grad_beta)
 
@@ -207,10 +235,11 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
         refused with OpError 161002.
     """
     if out is not None:
-        rows, cols = check_layer_norm_backward(dy, x, mean, rstd, gamma)
+        plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)
+        rows, cols = plan.shape
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
         grads = (gamma.shape, torch.float32)
-        return _into("layer_norm_backward", x.device, args, out, [(x.shape, x.dtype), grads, grads],
+        return _into("layer_norm_backward", plan, x.device, args, out, [(x.shape, x.dtype), grads, grads],
                      [(rows, cols), None, None], dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
     return _layer_norm_backward(dy, x, mean, rstd, gamma, check=check_layer_norm_backward)

@@ -5,23 +5,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import choose
 from ..contract import rms_norm as contract
 from ..contract._memo import remembered
 from ._direct import DirectOp, fit, own
 from ._out import check_out, refuse_autograd, run_into
+from ._plan import Planner
 
-# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
-# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
+# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_rms_norm = remembered(contract.check_rms_norm)
 check_rms_norm_grad = remembered(contract.check_rms_norm_grad)
 
 
-def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
-    rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
-    impl = choose("rms_norm_grad", x.device).fn
-    dx, dgamma = impl(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,)))
+def _rms_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    rows, cols, _ = plan
+    dx, dgamma = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,)))
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
+
+
+plan_rms_norm_grad = Planner("rms_norm_grad", contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d)
+
+
+def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    plan = plan_rms_norm_grad(dy, x, rstd, gamma)
+    return plan.run(plan.shape, dy, x, rstd, gamma)
 
 
 _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
@@ -33,11 +40,18 @@ def _(dy, x, rstd, gamma):
     return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=torch.float32)
 
 
-def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
-    impl = choose("rms_norm", x.device).fn
-    y, rstd = impl(fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon)
+def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    rows, cols, rstd_shape = plan
+    y, rstd = fn(fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon)
     return own(fit(y, x.shape), fit(rstd, rstd_shape))
+
+
+plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d)
+
+
+def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    plan = plan_rms_norm(x, gamma, epsilon)
+    return plan.run(plan.shape, x, gamma, epsilon)
 
 
 _rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
@@ -70,20 +84,18 @@ _rms_norm.register_autograd(_backward, setup_context=_setup)
 
 
 def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tensor, Tensor]:
-    rows, cols, rstd_shape = check_rms_norm(x, gamma, epsilon)
+    (rows, cols, rstd_shape), backend, _ = plan_rms_norm(x, gamma, epsilon)
     refuse_autograd("rms_norm", x, gamma)
     outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, torch.float32)], x.device, x=x, gamma=gamma)
-    impl = choose("rms_norm", x.device).fn
-    return run_into(impl, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
+    return run_into(backend.fn, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
 
 
 def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
-    rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma)
+    (rows, cols, _), backend, _ = plan_rms_norm_grad(dy, x, rstd, gamma)
     outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, torch.float32)], x.device,
                      dy=dy, x=x, rstd=rstd, gamma=gamma)
-    impl = choose("rms_norm_grad", x.device).fn
     args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
-    return run_into(impl, args, outs, [(rows, cols), (cols,)])
+    return run_into(backend.fn, args, outs, [(rows, cols), (cols,)])
 
 
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tensor, Tensor] | None = None
