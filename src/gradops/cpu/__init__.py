@@ -43,7 +43,11 @@ if sys.modules.get("numba") is not None:  # numba read its config already: point
 
 import numba  # noqa: F401  (an ImportError here is how the dispatcher learns that numba is missing)
 
-from .embedding import embedding_dense_backward, embedding_dense_backward_workspace
+from .embedding import (
+    embedding_dense_backward,
+    embedding_dense_backward_shaped,
+    embedding_dense_backward_workspace,
+)
 from .hardswish import hardswish, hardswish_backward
 from .layer_norm import (
     layer_norm,
@@ -61,10 +65,10 @@ from .moe_permute import moe_token_permute_grad, moe_token_unpermute, moe_token_
 from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_shaped, rms_norm_grad_workspace, rms_norm_shaped
 
 __all__ = [
-    "cache_dir", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",
-    "layer_norm", "layer_norm_backward", "layer_norm_backward_shaped", "layer_norm_backward_workspace",
-    "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_grad_beta_shaped", "layer_norm_grad_beta_workspace",
-    "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute_grad", "moe_token_unpermute",
-    "moe_token_unpermute_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace",
-    "rms_norm_shaped",
+    "cache_dir", "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",
+    "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward", "layer_norm_backward_shaped",
+    "layer_norm_backward_workspace", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_grad_beta_shaped",
+    "layer_norm_grad_beta_workspace", "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute_grad",
+    "moe_token_unpermute", "moe_token_unpermute_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_shaped",
+    "rms_norm_grad_workspace", "rms_norm_shaped",
 ]

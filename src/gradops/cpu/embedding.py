@@ -8,12 +8,15 @@ count. Byte model: ``T·E·s_g + V·E·s_out + T·8`` (indices) + ``(V + T)·8``
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ..contract.embedding import index_error
-from ._host import as_array, finish, output, safe_entry, scratch
+from ..contract.embedding import checked_indices, index_error
+from . import _pool
+from ._host import PARALLEL_MIN, dense, finish, output, safe_entry, scratch
 from ._numeric import ld, st
+from ._views import STORAGE, view1, view2
 
 #: Table rows per parallel task: 64 rows x 1024 x 4 B = 256 KiB written per task.
 _ROWS = 64
@@ -50,50 +53,91 @@ def _term(grad, i, j, scale, cnt):  # pragma: no cover - compiled
     return v / cnt if scale else v
 
 
-@njit(parallel=True, cache=True)
-def _gather_rows(grad, offsets, order, padding_idx, scale, out):  # pragma: no cover - compiled
-    """``out[k] = sum_{i in order[offsets[k]:offsets[k+1]]} grad[i] (/ count[k] per term if scale)`` in fp32,
-    strictly in increasing i (no fastmath: the loops vectorize over E and need no reassociation, so the order is
-    the one written here); zero for untouched rows and for ``padding_idx``. Four gradient rows per pass over the
-    fp32 row sum."""
+@njit(cache=True)
+def _gather_block(grad, offsets, order, padding_idx, scale, out, c, acc):  # pragma: no cover - compiled
+    """Table rows ``[c·_ROWS, (c+1)·_ROWS)``: ``out[k] = sum_{i in order[offsets[k]:offsets[k+1]]} grad[i]
+    (/ count[k] per term if scale)`` in fp32, strictly in increasing i (no fastmath: the loops vectorize over E
+    and need no reassociation, so the order is the one written here); zero for untouched rows and for
+    ``padding_idx``. Four gradient rows per pass over the fp32 row sum ``acc`` (scratch of E items)."""
     v, e = out.shape
-    for c in prange((v + _ROWS - 1) // _ROWS):
+    for k in range(c * _ROWS, min(v, (c + 1) * _ROWS)):
+        lo = offsets[k]
+        hi = offsets[k + 1]
+        if hi == lo or k == padding_idx:
+            for j in range(e):
+                st(out, (k, j), np.float32(0.0))
+            continue
+        cnt = np.float32(hi - lo)
+        i0 = order[lo]
+        if hi - lo == 1:  # the common case at T < V: write the row straight through, no fp32 row sum
+            for j in range(e):
+                st(out, (k, j), _term(grad, i0, j, scale, cnt))
+            continue
+        for j in range(e):
+            acc[j] = _term(grad, i0, j, scale, cnt)
+        p = lo + 1
+        while p + 4 <= hi:
+            ia, ib, ic, id_ = order[p], order[p + 1], order[p + 2], order[p + 3]
+            for j in range(e):  # left to right: the index order
+                acc[j] = (acc[j] + _term(grad, ia, j, scale, cnt) + _term(grad, ib, j, scale, cnt)
+                          + _term(grad, ic, j, scale, cnt) + _term(grad, id_, j, scale, cnt))
+            p += 4
+        while p < hi:
+            ip = order[p]
+            for j in range(e):
+                acc[j] = acc[j] + _term(grad, ip, j, scale, cnt)
+            p += 1
+        for j in range(e):
+            st(out, (k, j), acc[j])
+
+
+@njit(parallel=True, cache=True)
+def _gather_parallel(grad, offsets, order, padding_idx, scale, out):  # pragma: no cover - compiled
+    e = out.shape[1]
+    for c in prange((out.shape[0] + _ROWS - 1) // _ROWS):
+        _gather_block(grad, offsets, order, padding_idx, scale, out, c, np.empty(e, dtype=np.float32))
+
+
+@njit(cache=True)
+def _embedding_entry(grad_at, dtype, idx_at, idx_dtype, n, e, num_weights, padding_idx, scale, out_at, offsets,
+                     order):  # pragma: no cover - compiled
+    """The backward by address (see :mod:`gradops.cpu._views`): the counting sort (also the range test: returns
+    the first position whose index lies outside the table, nothing written), then the table, serially below
+    :data:`PARALLEL_MIN` written items."""
+    idx = view1(idx_at, idx_dtype, n)
+    bad = _counting_sort(idx, num_weights, offsets, order)
+    if bad >= 0 or num_weights == 0 or e == 0:
+        return bad
+    grad, out = view2(grad_at, dtype, n, e), view2(out_at, dtype, num_weights, e)
+    if num_weights * e < PARALLEL_MIN:
         acc = np.empty(e, dtype=np.float32)
-        for k in range(c * _ROWS, min(v, (c + 1) * _ROWS)):
-            lo = offsets[k]
-            hi = offsets[k + 1]
-            if hi == lo or k == padding_idx:
-                for j in range(e):
-                    st(out, (k, j), np.float32(0.0))
-                continue
-            cnt = np.float32(hi - lo)
-            i0 = order[lo]
-            if hi - lo == 1:  # the common case at T < V: write the row straight through, no fp32 row sum
-                for j in range(e):
-                    st(out, (k, j), _term(grad, i0, j, scale, cnt))
-                continue
-            for j in range(e):
-                acc[j] = _term(grad, i0, j, scale, cnt)
-            p = lo + 1
-            while p + 4 <= hi:
-                ia, ib, ic, id_ = order[p], order[p + 1], order[p + 2], order[p + 3]
-                for j in range(e):  # left to right: the index order
-                    acc[j] = (acc[j] + _term(grad, ia, j, scale, cnt) + _term(grad, ib, j, scale, cnt)
-                              + _term(grad, ic, j, scale, cnt) + _term(grad, id_, j, scale, cnt))
-                p += 4
-            while p < hi:
-                ip = order[p]
-                for j in range(e):
-                    acc[j] = acc[j] + _term(grad, ip, j, scale, cnt)
-                p += 1
-            for j in range(e):
-                st(out, (k, j), acc[j])
+        for c in range((num_weights + _ROWS - 1) // _ROWS):
+            _gather_block(grad, offsets, order, padding_idx, scale, out, c, acc)
+    else:
+        _gather_parallel(grad, offsets, order, padding_idx, scale, out)
+    return -1
 
 
 def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
                                        scale_grad_by_freq: bool) -> int:
     """Bytes of the counting sort's scratch: ``(V + 1)`` int64 offsets and ``T`` int64 positions."""
     return (num_weights + 1 + idx.numel()) * 8
+
+
+def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool, table: Tensor,
+         workspace: Tensor | None) -> None:
+    """The backward of (N, E) ``grad`` (any shape with N·E items) and N int32 / int64 ``idx`` into the
+    contiguous ``table``; an index outside the table raises before anything is written."""
+    n, e = idx.numel(), grad.shape[-1]
+    nbytes = (num_weights + 1 + n) * 8
+    offsets = scratch(workspace, nbytes, 0, np.int64, num_weights + 1)
+    order = scratch(workspace, nbytes, (num_weights + 1) * 8, np.int64, n)
+    grad, idx = dense(grad), dense(idx)
+    pad = padding_idx if 0 <= padding_idx < num_weights else -1
+    bad = _embedding_entry(grad.data_ptr(), STORAGE[grad.dtype], idx.data_ptr(), STORAGE[idx.dtype], n, e,
+                           num_weights, pad, bool(scale_grad_by_freq), table.data_ptr(), offsets, order)
+    if bad >= 0:
+        raise index_error(idx.reshape(-1)[bad].item(), bad, num_weights)
 
 
 @safe_entry
@@ -112,16 +156,23 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
     Returns:
         The (V, E) gradient table.
     """
-    n, e = grad.shape
-    table = output(out, (num_weights, e), grad.dtype)
-    nbytes = embedding_dense_backward_workspace(grad, idx, num_weights, padding_idx, scale_grad_by_freq)
-    offsets = scratch(workspace, nbytes, 0, np.int64, num_weights + 1)
-    order = scratch(workspace, nbytes, (num_weights + 1) * 8, np.int64, n)
-    flat = as_array(idx.long())
-    bad = _counting_sort(flat, num_weights, offsets, order)
-    if bad >= 0:
-        raise index_error(int(flat[bad]), int(bad), num_weights)
-    if num_weights and e:
-        pad = padding_idx if 0 <= padding_idx < num_weights else -1
-        _gather_rows(as_array(grad), offsets, order, pad, bool(scale_grad_by_freq), as_array(table))
+    table = output(out, (num_weights, grad.shape[1]), grad.dtype)
+    _run(grad, idx.long(), num_weights, padding_idx, scale_grad_by_freq, table, workspace)
     return finish(table, out)
+
+
+@safe_entry
+def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices: Tensor, num_weights: int,
+                                    padding_idx: int, scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
+    """The op on its own shapes (see :mod:`gradops.ops._plan`): grad (..., E), indices of the leading dims. int32
+    and int64 indices are read as they are (the counting sort is the range test, so ``checked``, "tested
+    already", saves nothing here); other dtypes get CANN's conversion and range test first
+    (:func:`gradops.contract.embedding.checked_indices`)."""
+    if indices.dtype not in _DIRECT_INDICES:
+        indices = checked_indices(indices, num_weights)
+    table = _pool.empty((num_weights, plan[1]), grad.dtype)
+    _run(grad, indices, num_weights, padding_idx, scale_grad_by_freq, table, None)
+    return table
+
+
+_DIRECT_INDICES = (torch.int64, torch.int32)

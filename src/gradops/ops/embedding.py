@@ -4,30 +4,35 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..backend import choose
 from ..contract import embedding as contract
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table
 from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, run_into
+from ._plan import Planner
 
-# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
-# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
+# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_embedding = remembered(contract.check_embedding)
 check_embedding_dense_backward = remembered(contract.check_embedding_dense_backward)
 
 
+def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                                 scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
+    """The backend on (N, E) grad and flat int64 indices; ``checked``: the indices passed the range test already
+    (the forward's, guarded by autograd's saved-tensor version check), so only converted here."""
+    idx = flat_indices(indices) if checked else checked_indices(indices, num_weights)
+    return own(fn(fit(grad, plan), idx, num_weights, padding_idx, scale_grad_by_freq))
+
+
+plan_embedding_dense_backward = Planner("embedding_dense_backward", contract.check_embedding_dense_backward,
+                                        adapter=_embedding_dense_backward_2d)
+
+
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                                    scale_grad_by_freq: bool) -> Tensor:
-    rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return _run(fit(grad, (rows, dim)), checked_indices(indices, num_weights), num_weights, padding_idx,
-                scale_grad_by_freq)
-
-
-def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
-    """The backend on (N, E) grad and flat int64 indices in the table."""
-    impl = choose("embedding_dense_backward", grad.device).fn
-    return own(impl(grad, idx, num_weights, padding_idx, scale_grad_by_freq))
+    plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    return plan.run(plan.shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 _embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)
@@ -62,15 +67,14 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         (num_weights, E) in grad's dtype.
     """
     # here too: the schema would refuse a None or a bad scalar before the op body checks
-    rows, dim = check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     padding_idx = no_padding_outside_table(padding_idx, num_weights)
     if out is not None:
         outs = check_out("embedding_dense_backward", out, [((num_weights, grad.shape[-1]), grad.dtype)], grad.device,
                          grad=grad, indices=indices)
         idx = checked_indices(indices, num_weights)
-        impl = choose("embedding_dense_backward", grad.device).fn
-        args = (grad.reshape(rows, dim), idx, num_weights, padding_idx, scale_grad_by_freq)
-        return run_into(impl, args, outs, [None])[0]
+        args = (grad.reshape(plan.shape), idx, num_weights, padding_idx, scale_grad_by_freq)
+        return run_into(plan.backend.fn, args, outs, [None])[0]
     return _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
@@ -108,7 +112,8 @@ def _embedding_backward(ctx, grad):
     if eager_path(grad, indices) == BODY:
         # The forward refused any index outside the table, and autograd's saved-tensor version check guarantees
         # these are the same values: no second range test, so no host synchronisation in the backward on CUDA.
-        return _run(grad, flat_indices(indices), *args), None, None, None
+        plan = plan_embedding_dense_backward(grad, indices, *args)
+        return plan.run(plan.shape, grad, indices, *args, checked=True), None, None, None
     return _embedding_dense_backward(grad, indices, *args), None, None, None
 
 
