@@ -12,9 +12,10 @@ import numpy as np
 from numba import njit, prange
 from torch import Tensor
 
-from ..contract.moe_permute import permutation_error, sorted_index_error
-from ._host import as_array, finish, output, safe_entry
+from ..contract.moe_permute import MoePlan, permutation_error, sorted_index_error
+from ._host import PARALLEL_MIN, dense, finish, output, safe_entry
 from ._numeric import ld, st
+from ._views import STORAGE, view1, view2
 
 #: Tokens per parallel task (fixed, so the work split never depends on the thread count).
 _TOKENS = 16
@@ -68,40 +69,71 @@ def _first_outside(idx, total):  # pragma: no cover - compiled
     return -1
 
 
-@njit(parallel=True, cache=True)
-def _permute_grad_kernel(grad, sorted_indices, topk, out):  # pragma: no cover - compiled
-    """``out[t] = sum_{k<K} grad[sorted_indices[t·K + k]]`` in fp32, strictly in k order (no fastmath: the
-    loops vectorize over H and need no reassociation, so the bits equal the reference's); an index ``>= A``
-    (a row the forward dropped) adds nothing. Up to eight gathered rows per pass over the fp32 row sum: eight
-    independent row streams keep enough loads in flight (measured side by side at T=8192 K=8 H=2048 fp32: 37% of
-    copy_ with one row per pass, 70% with eight)."""
+@njit(cache=True)
+def _permute_grad_chunk(grad, sorted_indices, topk, out, c, acc, rows):  # pragma: no cover - compiled
+    """Tokens ``[c·_TOKENS, (c+1)·_TOKENS)``: ``out[t] = sum_{k<K} grad[sorted_indices[t·K + k]]`` in fp32,
+    strictly in k order (no fastmath: the loops vectorize over H and need no reassociation, so the bits equal the
+    reference's); an index ``>= A`` (a row the forward dropped) adds nothing. Up to eight gathered rows per pass
+    over the fp32 row sum ``acc``: eight independent row streams keep enough loads in flight (measured side by
+    side at T=8192 K=8 H=2048 fp32: 37% of copy_ with one row per pass, 70% with eight). ``rows``: K scratch."""
     t_count, h = out.shape
     a = grad.shape[0]
-    for c in prange((t_count + _TOKENS - 1) // _TOKENS):
-        acc = np.empty(h, dtype=np.float32)
-        rows = np.empty(topk, dtype=np.int64)
-        for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
-            nv = 0
-            for k in range(topk):
-                r = sorted_indices[t * topk + k]
-                if r < a:
-                    rows[nv] = r
-                    nv += 1
-            if nv == 0:
-                for j in range(h):
-                    st(out, (t, j), np.float32(0.0))
-                continue
-            k = 0
-            while nv - k >= 8:
-                _sum8(grad, rows, k, acc, k == 0)
-                k += 8
-            while nv - k >= 2:
-                _sum2(grad, rows, k, acc, k == 0)
-                k += 2
-            if k < nv:
-                _sum1(grad, rows, k, acc, k == 0)
+    for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
+        nv = 0
+        for k in range(topk):
+            r = sorted_indices[t * topk + k]
+            if r < a:
+                rows[nv] = r
+                nv += 1
+        if nv == 0:
             for j in range(h):
-                st(out, (t, j), acc[j])
+                st(out, (t, j), np.float32(0.0))
+            continue
+        k = 0
+        while nv - k >= 8:
+            _sum8(grad, rows, k, acc, k == 0)
+            k += 8
+        while nv - k >= 2:
+            _sum2(grad, rows, k, acc, k == 0)
+            k += 2
+        if k < nv:
+            _sum1(grad, rows, k, acc, k == 0)
+        for j in range(h):
+            st(out, (t, j), acc[j])
+
+
+@njit(parallel=True, cache=True)
+def _permute_grad_parallel(grad, sorted_indices, topk, out):  # pragma: no cover - compiled
+    h = out.shape[1]
+    for c in prange((out.shape[0] + _TOKENS - 1) // _TOKENS):
+        _permute_grad_chunk(grad, sorted_indices, topk, out, c, np.empty(h, dtype=np.float32),
+                            np.empty(topk, dtype=np.int64))
+
+
+@njit(cache=True)
+def _permute_grad_run(grad, sorted_indices, topk, out):  # pragma: no cover - compiled
+    """The gather-sums, serially below :data:`PARALLEL_MIN` written items."""
+    t_count, h = out.shape
+    if t_count * h < PARALLEL_MIN:
+        acc, rows = np.empty(h, dtype=np.float32), np.empty(topk, dtype=np.int64)
+        for c in range((t_count + _TOKENS - 1) // _TOKENS):
+            _permute_grad_chunk(grad, sorted_indices, topk, out, c, acc, rows)
+    else:
+        _permute_grad_parallel(grad, sorted_indices, topk, out)
+
+
+@njit(cache=True)
+def _permute_grad_entry(grad_at, dtype, a, h, idx_at, idx_dtype, total, topk, out_at):  # pragma: no cover - compiled
+    """MoeTokenPermuteGrad by address (see :mod:`gradops.cpu._views`): the range test of the T·K indices first
+    (returns the first position outside [0, T·K), nothing written), then the gather-sums; else -1."""
+    idx = view1(idx_at, idx_dtype, total)
+    bad = _first_outside(idx, total)
+    if bad >= 0:
+        return bad
+    tokens = total // topk
+    if tokens and h:
+        _permute_grad_run(view2(grad_at, dtype, a, h), idx, topk, view2(out_at, dtype, tokens, h))
+    return -1
 
 
 @safe_entry
@@ -119,16 +151,23 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     Returns:
         The (T, H) token gradient.
     """
-    tokens = sorted_indices.numel() // num_topk
-    h = grad.shape[1]
-    idx = as_array(sorted_indices)
-    bad = _first_outside(idx, idx.shape[0])
+    total = sorted_indices.numel()
+    a, h = grad.shape
+    buf = output(out, (total // num_topk, h), grad.dtype)
+    grad, idx = dense(grad), dense(sorted_indices)
+    bad = _permute_grad_entry(grad.data_ptr(), STORAGE[grad.dtype], a, h, idx.data_ptr(), STORAGE[idx.dtype], total,
+                              num_topk, buf.data_ptr())
     if bad >= 0:
-        raise sorted_index_error(int(idx[bad]), int(bad), idx.shape[0])
-    buf = output(out, (tokens, h), grad.dtype)
-    if tokens and h:
-        _permute_grad_kernel(as_array(grad), idx, num_topk, as_array(buf))
+        raise sorted_index_error(idx[bad].item(), bad, total)
     return finish(buf, out)
+
+
+@safe_entry
+def moe_token_permute_grad_shaped(plan: MoePlan, grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                                  padded_mode: bool = False, *, checked: bool = False) -> Tensor:
+    """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones). The
+    range test runs in the kernel whatever ``checked`` says (it is free here)."""
+    return moe_token_permute_grad(grad, sorted_indices, num_topk)
 
 
 @njit(cache=True)
@@ -170,39 +209,71 @@ def _wsum1(x, rows, w, k, acc, first):  # pragma: no cover - compiled
             acc[j] = acc[j] + wr * ld(x, (r, j))
 
 
-@njit(parallel=True, cache=True)
-def _unpermute_kernel(x, sorted_indices, probs, out):  # pragma: no cover - compiled
-    """``out[t] = sum_{k<K} probs[t, k] * x[sorted_indices[t·K + k]]`` in fp32, strictly in k order (no fastmath:
-    no reassociation, no FMA, so the bits equal the reference's); an index ``>= A`` (a dropped row) adds nothing.
-    Four weighted rows per pass over the fp32 row sum (four row streams in flight; see _permute_grad_kernel)."""
+@njit(cache=True)
+def _unpermute_chunk(x, sorted_indices, probs, out, c, acc, rows, w):  # pragma: no cover - compiled
+    """Tokens ``[c·_TOKENS, (c+1)·_TOKENS)``: ``out[t] = sum_{k<K} probs[t, k] * x[sorted_indices[t·K + k]]`` in
+    fp32, strictly in k order (no fastmath: no reassociation, no FMA, so the bits equal the reference's); an index
+    ``>= A`` (a dropped row) adds nothing. Four weighted rows per pass over the fp32 row sum (four row streams in
+    flight; see :func:`_permute_grad_chunk`). ``acc``, ``rows``, ``w``: scratch."""
     t_count, h = out.shape
     topk = probs.shape[1]
     a = x.shape[0]
-    for c in prange((t_count + _TOKENS - 1) // _TOKENS):
-        acc = np.empty(h, dtype=np.float32)
-        rows = np.empty(topk, dtype=np.int64)
-        w = np.empty(topk, dtype=np.float32)
-        for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
-            nv = 0
-            for k in range(topk):
-                r = sorted_indices[t * topk + k]
-                if 0 <= r < a:
-                    rows[nv] = r
-                    w[nv] = ld(probs, (t, k))
-                    nv += 1
-            if nv == 0:
-                for j in range(h):
-                    st(out, (t, j), np.float32(0.0))
-                continue
-            k = 0
-            while nv - k >= 4:
-                _wsum4(x, rows, w, k, acc, k == 0)
-                k += 4
-            while k < nv:
-                _wsum1(x, rows, w, k, acc, k == 0)
-                k += 1
+    for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
+        nv = 0
+        for k in range(topk):
+            r = sorted_indices[t * topk + k]
+            if 0 <= r < a:
+                rows[nv] = r
+                w[nv] = ld(probs, (t, k))
+                nv += 1
+        if nv == 0:
             for j in range(h):
-                st(out, (t, j), acc[j])
+                st(out, (t, j), np.float32(0.0))
+            continue
+        k = 0
+        while nv - k >= 4:
+            _wsum4(x, rows, w, k, acc, k == 0)
+            k += 4
+        while k < nv:
+            _wsum1(x, rows, w, k, acc, k == 0)
+            k += 1
+        for j in range(h):
+            st(out, (t, j), acc[j])
+
+
+@njit(parallel=True, cache=True)
+def _unpermute_parallel(x, sorted_indices, probs, out):  # pragma: no cover - compiled
+    h, topk = out.shape[1], probs.shape[1]
+    for c in prange((out.shape[0] + _TOKENS - 1) // _TOKENS):
+        _unpermute_chunk(x, sorted_indices, probs, out, c, np.empty(h, dtype=np.float32),
+                         np.empty(topk, dtype=np.int64), np.empty(topk, dtype=np.float32))
+
+
+@njit(cache=True)
+def _unpermute_entry(x_at, dtype, a, h, idx_at, idx_dtype, total, probs_at, probs_dtype, topk,
+                     out_at):  # pragma: no cover - compiled
+    """MoeTokenUnpermute by address: the permutation test first (returns the first position outside [0, T·K) or
+    repeated, nothing written), then the weighted gather-sums (``topk`` 0: no probs, K = 1, weight 1); else -1."""
+    idx = view1(idx_at, idx_dtype, total)
+    bad = _first_not_permutation(idx)
+    if bad >= 0:
+        return bad
+    k = max(topk, 1)
+    tokens = total // k
+    if tokens == 0 or h == 0:
+        return -1
+    x, out = view2(x_at, dtype, a, h), view2(out_at, dtype, tokens, h)
+    if topk == 0:  # weight 1: exactly the permute gradient's gather with K = 1
+        _permute_grad_run(x, idx, 1, out)
+        return -1
+    probs = view2(probs_at, probs_dtype, tokens, topk)
+    if tokens * h < PARALLEL_MIN:
+        acc, rows, w = np.empty(h, dtype=np.float32), np.empty(topk, dtype=np.int64), np.empty(topk, np.float32)
+        for c in range((tokens + _TOKENS - 1) // _TOKENS):
+            _unpermute_chunk(x, idx, probs, out, c, acc, rows, w)
+    else:
+        _unpermute_parallel(x, idx, probs, out)
+    return -1
 
 
 #: Lanes of the fp32 dot products of the unpermute gradient: 16 running sums (lane l adds the products of
@@ -233,41 +304,68 @@ def _dot_row(g, t, x, r, prod, lanes):  # pragma: no cover - compiled
     return lanes[0]
 
 
-@njit(parallel=True, cache=True)
-def _unpermute_grad_kernel(x, g, sorted_indices, probs, has_probs, dx, dp):  # pragma: no cover - compiled
-    """For each (token t, copy k) whose row ``r = sorted_indices[t·K + k]`` is present (``0 <= r < A``)::
+@njit(cache=True)
+def _unpermute_grad_chunk(x, g, sorted_indices, probs, has_probs, dx, dp, c, prod, lanes):  # pragma: no cover
+    """Tokens ``[c·_TOKENS, (c+1)·_TOKENS)``; for each copy k of token t whose row ``r = sorted_indices[t·K + k]``
+    is present (``0 <= r < A``)::
 
         dx[r] = g[t] * probs[t, k]         (fp32 product, rounded once; g[t] itself without probs)
         dp[t, k] = dot(g[t], x[r])         (fp32, fixed lane order; 0 for a dropped row)
 
     sorted_indices is a checked permutation, so every row of dx has exactly one writer (no atomics, no
-    zero-fill, no race between the parallel token chunks)."""
+    zero-fill, no race between the parallel token chunks). ``prod``, ``lanes``: scratch."""
     t_count, h = g.shape
     topk = probs.shape[1] if has_probs else 1
     a = x.shape[0]
-    for c in prange((t_count + _TOKENS - 1) // _TOKENS):
-        prod = np.empty(h, dtype=np.float32)
-        lanes = np.empty(_LANES, dtype=np.float32)
-        for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
-            for k in range(topk):
-                r = sorted_indices[t * topk + k]
-                present = 0 <= r < a
-                if has_probs:
-                    w = ld(probs, (t, k))
-                    if present:
-                        for j in range(h):
-                            st(dx, (r, j), ld(g, (t, j)) * w)
-                        st(dp, (t, k), _dot_row(g, t, x, r, prod, lanes))
-                    else:
-                        st(dp, (t, k), np.float32(0.0))
-                elif present:
+    for t in range(c * _TOKENS, min(t_count, (c + 1) * _TOKENS)):
+        for k in range(topk):
+            r = sorted_indices[t * topk + k]
+            present = 0 <= r < a
+            if has_probs:
+                w = ld(probs, (t, k))
+                if present:
                     for j in range(h):
-                        st(dx, (r, j), ld(g, (t, j)))
+                        st(dx, (r, j), ld(g, (t, j)) * w)
+                    st(dp, (t, k), _dot_row(g, t, x, r, prod, lanes))
+                else:
+                    st(dp, (t, k), np.float32(0.0))
+            elif present:
+                for j in range(h):
+                    st(dx, (r, j), ld(g, (t, j)))
 
 
-def _check_permutation(idx: np.ndarray, sorted_indices: Tensor, op: str) -> None:
-    if _first_not_permutation(idx) >= 0:
-        raise permutation_error(sorted_indices, op)
+@njit(parallel=True, cache=True)
+def _unpermute_grad_parallel(x, g, sorted_indices, probs, has_probs, dx, dp):  # pragma: no cover - compiled
+    h = g.shape[1]
+    for c in prange((g.shape[0] + _TOKENS - 1) // _TOKENS):
+        _unpermute_grad_chunk(x, g, sorted_indices, probs, has_probs, dx, dp, c, np.empty(h, dtype=np.float32),
+                              np.empty(_LANES, dtype=np.float32))
+
+
+@njit(cache=True)
+def _unpermute_grad_entry(x_at, dtype, a, h, g_at, g_dtype, tokens, idx_at, idx_dtype, total, probs_at,
+                          probs_dtype, topk, dx_at, dp_at, check):  # pragma: no cover - compiled
+    """MoeTokenUnpermuteGrad by address: with ``check``, the permutation test first (returns the first bad
+    position, nothing written); then the scatter and the probs' dot products (``topk`` 0: no probs); else -1."""
+    idx = view1(idx_at, idx_dtype, total)
+    if check:
+        bad = _first_not_permutation(idx)
+        if bad >= 0:
+            return bad
+    if tokens == 0:
+        return -1
+    has_probs = topk > 0
+    k = max(topk, 1)
+    x, g, dx = view2(x_at, dtype, a, h), view2(g_at, g_dtype, tokens, h), view2(dx_at, dtype, a, h)
+    rows_p = tokens if has_probs else 0  # without probs: empty views (never read or written)
+    probs, dp = view2(probs_at, probs_dtype, rows_p, k), view2(dp_at, probs_dtype, rows_p, k)
+    if tokens * h * k < PARALLEL_MIN:
+        prod, lanes = np.empty(h, dtype=np.float32), np.empty(_LANES, dtype=np.float32)
+        for c in range((tokens + _TOKENS - 1) // _TOKENS):
+            _unpermute_grad_chunk(x, g, idx, probs, has_probs, dx, dp, c, prod, lanes)
+    else:
+        _unpermute_grad_parallel(x, g, idx, probs, has_probs, dx, dp)
+    return -1
 
 
 @safe_entry
@@ -276,24 +374,27 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     """aclnnMoeTokenUnpermute: ``(A, H)`` rows, ``sorted_indices (T·K,)``, ``probs (T, K)`` or None (K = 1)
     -> ``out (T, H)`` in permuted_tokens' dtype.
 
-    sorted_indices must be a permutation of [0, T·K) (CANN: no repeated index), checked here in one bitmap pass
-    before anything is read with it (OpError 161002).
+    sorted_indices must be a permutation of [0, T·K) (CANN: no repeated index), checked in the kernel in one
+    bitmap pass before anything is read with it (OpError 161002).
     """
-    h = permuted_tokens.shape[1]
-    idx = as_array(sorted_indices)
-    _check_permutation(idx, sorted_indices, "moe_token_unpermute")
-    k = 1 if probs is None else probs.shape[1]
-    tokens = idx.shape[0] // k
-    buf = output(out, (tokens, h), permuted_tokens.dtype)
-    if tokens and h:
-        if probs is None:  # weight 1: exactly the permute gradient's gather with K = 1
-            _permute_grad_kernel(as_array(permuted_tokens), idx, 1, as_array(buf))
-        else:
-            _unpermute_kernel(as_array(permuted_tokens), idx, as_array(probs), as_array(buf))
+    a, h = permuted_tokens.shape
+    total = sorted_indices.numel()
+    topk = 0 if probs is None else probs.shape[1]
+    buf = output(out, (total // max(topk, 1), h), permuted_tokens.dtype)
+    x, idx = dense(permuted_tokens), dense(sorted_indices)
+    weights = x if probs is None else dense(probs)  # without probs: unread, a float dtype for the compiled code
+    bad = _unpermute_entry(x.data_ptr(), STORAGE[x.dtype], a, h, idx.data_ptr(), STORAGE[idx.dtype], total,
+                           weights.data_ptr(), STORAGE[weights.dtype], topk, buf.data_ptr())
+    if bad >= 0:
+        raise permutation_error(sorted_indices, "moe_token_unpermute")
     return finish(buf, out)
 
 
-_NO_PROBS = np.zeros((1, 1), dtype=np.float32)
+@safe_entry
+def moe_token_unpermute_shaped(plan: MoePlan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                               padded_mode: bool = False) -> Tensor:
+    """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
+    return moe_token_unpermute(permuted_tokens, sorted_indices, probs)
 
 
 @safe_entry
@@ -308,20 +409,29 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     autograd's version counter guards); an entry outside [0, A) is never read or written with either way.
     ``out``: optional preallocated pair (the second ignored without probs).
     """
-    rows, h = permuted_tokens.shape
-    idx = as_array(sorted_indices)
-    if not trusted:
-        _check_permutation(idx, sorted_indices, "moe_token_unpermute_grad")
-    tokens = grad_unpermuted.shape[0]
-    dx = output(None if out is None else out[0], (rows, h), permuted_tokens.dtype)
+    a, h = permuted_tokens.shape
+    tokens, total = grad_unpermuted.shape[0], sorted_indices.numel()
+    topk = 0 if probs is None else probs.shape[1]
+    dx = output(None if out is None else out[0], (a, h), permuted_tokens.dtype)
     if probs is None:
         dp = permuted_tokens.new_empty(0)
     else:
-        dp = output(None if out is None else out[1], (tokens, probs.shape[1]), probs.dtype)
-    if tokens:
-        _unpermute_grad_kernel(as_array(permuted_tokens), as_array(grad_unpermuted), idx,
-                               _NO_PROBS if probs is None else as_array(probs), probs is not None,
-                               as_array(dx), as_array(dp) if probs is not None else _NO_PROBS)
+        dp = output(None if out is None else out[1], (tokens, topk), probs.dtype)
+    x, g, idx = dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices)
+    weights = x if probs is None else dense(probs)  # without probs: viewed with 0 rows, a float dtype
+    bad = _unpermute_grad_entry(x.data_ptr(), STORAGE[x.dtype], a, h, g.data_ptr(), STORAGE[g.dtype], tokens,
+                                idx.data_ptr(), STORAGE[idx.dtype], total, weights.data_ptr(), STORAGE[weights.dtype],
+                                topk, dx.data_ptr(), (dp if probs is not None else weights).data_ptr(), not trusted)
+    if bad >= 0:
+        raise permutation_error(sorted_indices, "moe_token_unpermute_grad")
     if out is None:
         return dx, dp
     return finish(dx, out[0]), (finish(dp, out[1]) if probs is not None else dp)
+
+
+@safe_entry
+def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad_unpermuted: Tensor,
+                                    sorted_indices: Tensor, probs: Tensor | None, padded_mode: bool = False, *,
+                                    trusted: bool = False) -> tuple[Tensor, Tensor]:
+    """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
+    return moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted)

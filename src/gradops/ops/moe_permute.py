@@ -8,31 +8,37 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..backend import choose
 from ..contract import moe_permute as contract
 from ..contract._memo import remembered
 from ..contract.moe_permute import check_restore_shape, checked_sorted_indices
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
+from ._plan import Planner
 
-# The eager hot path pays one key and one lookup for its validation (contract/_memo.py); the full check
-# runs on a new shape, on every refusal, and on fake tensors while torch.compile traces.
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
+# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_moe_token_permute = remembered(contract.check_moe_token_permute)
 check_moe_token_permute_grad = remembered(contract.check_moe_token_permute_grad)
 check_moe_token_unpermute = remembered(contract.check_moe_token_unpermute)
 check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_grad)
 
 
+def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                     padded_mode: bool = False, *, checked: bool = False) -> Tensor:
+    """The backend, after the range test of the indices unless ``checked`` (the forward's own output)."""
+    if not checked:
+        checked_sorted_indices(sorted_indices)
+    return own(fn(permuted_output_grad, sorted_indices, num_topk))
+
+
+plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
+                                      adapter=_permute_grad_2d)
+
+
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                                  padded_mode: bool) -> Tensor:
-    check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
-    return _run_grad(permuted_output_grad, checked_sorted_indices(sorted_indices), num_topk)
-
-
-def _run_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int) -> Tensor:
-    """The backend on indices known to lie in [0, T*K)."""
-    impl = choose("moe_token_permute_grad", permuted_output_grad.device).fn
-    return own(impl(permuted_output_grad, sorted_indices, num_topk))
+    plan = plan_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+    return plan.run(plan.shape, permuted_output_grad, sorted_indices, num_topk, padded_mode)
 
 
 _moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body)
@@ -44,11 +50,18 @@ def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
     return permuted_output_grad.new_empty((plan.tokens, plan.hidden))
 
 
+def _permute_2d(fn, plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+                padded_mode: bool) -> tuple[Tensor, Tensor]:
+    return own(*fn(tokens, indices, plan.rows))
+
+
+plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d)
+
+
 def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                             padded_mode: bool) -> tuple[Tensor, Tensor]:
-    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
-    impl = choose("moe_token_permute", tokens.device).fn
-    return own(*impl(tokens, indices, plan.rows))
+    plan = plan_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+    return plan.run(plan.shape, tokens, indices, num_out_tokens, padded_mode)
 
 
 _moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body)
@@ -77,7 +90,8 @@ def _backward(ctx, grad_permuted, _grad_sorted_indices):
     if eager_path(grad_permuted, sorted_indices) == BODY:
         # sorted_indices is this op's own forward output, a permutation by construction (autograd's saved-tensor
         # version check refuses it if changed since): no range test, so no host synchronisation on CUDA.
-        return _run_grad(grad_permuted, sorted_indices, ctx.topk), None, None, None
+        plan = plan_moe_token_permute_grad(grad_permuted, sorted_indices, ctx.topk, False)
+        return plan.run(plan.shape, grad_permuted, sorted_indices, ctx.topk, checked=True), None, None, None
     return _moe_token_permute_grad(grad_permuted, sorted_indices, ctx.topk, False), None, None, None
 
 
@@ -102,11 +116,12 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
     """
     if out is not None:
-        plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+        call = plan_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+        plan = call.shape
         refuse_autograd("moe_token_permute", tokens)
         specs = [((plan.rows, plan.hidden), tokens.dtype), ((plan.tokens * plan.topk,), torch.int32)]
         outs = check_out("moe_token_permute", out, specs, tokens.device, tokens=tokens, indices=indices)
-        return run_into(choose("moe_token_permute", tokens.device).fn, (tokens, indices, plan.rows), outs, [None, None])
+        return run_into(call.backend.fn, (tokens, indices, plan.rows), outs, [None, None])
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode, check=check_moe_token_permute)
 
 
@@ -127,23 +142,30 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         (T, H) in the gradient's dtype.
     """
     if out is not None:
-        plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+        call = plan_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
+        plan = call.shape
         specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
         outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
                          permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
         checked_sorted_indices(sorted_indices)
-        impl = choose("moe_token_permute_grad", permuted_output_grad.device).fn
-        return run_into(impl, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
+        return run_into(call.backend.fn, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
                                    check=check_moe_token_permute_grad)
 
 
 # ---------------------------------------------------------------- unpermute
+def _unpermute_2d(fn, plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                  padded_mode: bool = False) -> Tensor:
+    return own(fn(permuted_tokens, sorted_indices, probs))  # the backend checks the permutation
+
+
+plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d)
+
+
 def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                               padded_mode: bool) -> Tensor:
-    check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
-    impl = choose("moe_token_unpermute", permuted_tokens.device).fn
-    return own(impl(permuted_tokens, sorted_indices, probs))  # the backend checks the permutation
+    plan = plan_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    return plan.run(plan.shape, permuted_tokens, sorted_indices, probs, padded_mode)
 
 
 _moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body)
@@ -157,15 +179,19 @@ def _(permuted_tokens, sorted_indices, probs, padded_mode):
 
 def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                                    probs: Tensor | None, padded_mode: bool) -> tuple[Tensor, Tensor]:
-    check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
-    return _run_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, False)
+    plan = plan_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+    return plan.run(plan.shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
 
 
-def _run_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
-                        probs: Tensor | None, trusted: bool) -> tuple[Tensor, Tensor]:
+def _unpermute_grad_2d(fn, plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                       probs: Tensor | None, padded_mode: bool = False, *, trusted: bool = False
+                       ) -> tuple[Tensor, Tensor]:
     """The backend; ``trusted``: sorted_indices is a permutation its forward checked (the backend skips its test)."""
-    impl = choose("moe_token_unpermute_grad", permuted_tokens.device).fn
-    return own(*impl(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted))
+    return own(*fn(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted))
+
+
+plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.check_moe_token_unpermute_grad,
+                                        adapter=_unpermute_grad_2d)
 
 
 _moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body)
@@ -191,7 +217,8 @@ def _unpermute_backward(ctx, grad):
     if eager_path(permuted_tokens, grad, sorted_indices, probs) == BODY:
         # sorted_indices passed the forward's permutation test, and autograd's saved-tensor version check refuses
         # it if it changed since: no second test (a host pass on CPU, a sort on CUDA).
-        d_permuted, d_probs = _run_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, True)
+        plan = plan_moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
+        d_permuted, d_probs = plan.run(plan.shape, permuted_tokens, grad, sorted_indices, probs, trusted=True)
     else:
         d_permuted, d_probs = _moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
     return d_permuted, None, d_probs if probs is not None else None, None
@@ -229,13 +256,13 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     if restore_shape is not None:
         check_restore_shape("moe_token_unpermute", restore_shape)
     if out is not None:
-        plan = check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+        call = plan_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+        plan = call.shape
         refuse_autograd("moe_token_unpermute", permuted_tokens, probs)
         outs = check_out("moe_token_unpermute", out, [((plan.tokens, plan.hidden), permuted_tokens.dtype)],
                          permuted_tokens.device, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices,
                          probs=probs)
-        impl = choose("moe_token_unpermute", permuted_tokens.device).fn
-        return run_into(impl, (permuted_tokens, sorted_indices, probs), outs, [None])[0]
+        return run_into(call.backend.fn, (permuted_tokens, sorted_indices, probs), outs, [None])[0]
     return _moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, check=check_moe_token_unpermute)
 
 
@@ -263,13 +290,13 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     if restore_shape is not None:
         check_restore_shape("moe_token_unpermute_grad", restore_shape)
     if out is not None:
-        plan = check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+        call = plan_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
+        plan = call.shape
         probs_spec = ((0,), permuted_tokens.dtype) if probs is None else ((plan.tokens, plan.topk), probs.dtype)
         outs = check_out("moe_token_unpermute_grad", out, [((plan.rows, plan.hidden), permuted_tokens.dtype),
                                                            probs_spec], permuted_tokens.device,
                          permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
                          sorted_indices=sorted_indices, probs=probs)
-        impl = choose("moe_token_unpermute_grad", permuted_tokens.device).fn
-        return run_into(impl, (permuted_tokens, grad_unpermuted, sorted_indices, probs), outs, [None, None])
+        return run_into(call.backend.fn, (permuted_tokens, grad_unpermuted, sorted_indices, probs), outs, [None, None])
     return _moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode,
                                      check=check_moe_token_unpermute_grad)
