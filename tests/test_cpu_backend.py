@@ -206,6 +206,47 @@ def test_bitwise_identical_whatever_the_thread_count(fn, args):
         assert torch.equal(_bits(a), _bits(b))
 
 
+def test_serial_and_parallel_loops_give_the_same_bits():
+    """Below PARALLEL_MIN items the entries loop serially over the same per-row / per-block functions that the
+    parallel loops run: the bits do not depend on which loop ran them."""
+    import numpy as np
+
+    rn, ln = importlib.import_module("gradops.cpu.rms_norm"), importlib.import_module("gradops.cpu.layer_norm")
+    from gradops.cpu._host import PARALLEL_MIN, row_blocks
+    from gradops.cpu._reduce import fold_partials
+
+    g = torch.Generator().manual_seed(9)
+    m, n = 37, 50  # 1850 items: the serial loops
+    assert m * n < PARALLEL_MIN
+    x, dy, gamma, beta = (torch.randn(m, n, generator=g), torch.randn(m, n, generator=g), torch.randn(n, generator=g),
+                          torch.randn(n, generator=g))
+    rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
+    dx, dgamma = cpu.rms_norm_grad(dy, x, rstd, gamma)
+    dx2, dgamma2 = np.empty((m, n), np.float32), np.empty(n, np.float32)
+    partial = np.empty((row_blocks(m), n), np.float32)
+    rn._rms_norm_grad_parallel(dy.numpy(), x.numpy(), rstd.numpy(), gamma.numpy(), dx2, partial)
+    fold_partials(partial, dgamma2)
+    assert torch.equal(dx, torch.from_numpy(dx2)) and torch.equal(dgamma, torch.from_numpy(dgamma2))
+    y, mean, var = cpu.layer_norm(x, gamma, beta, 1e-5)
+    y2, mean2, var2 = np.empty((m, n), np.float32), np.empty(m, np.float32), np.empty(m, np.float32)
+    ln._layer_norm_parallel(x.numpy(), gamma.numpy(), beta.numpy(), np.float32(1e-5), y2, mean2, var2)
+    assert all(torch.equal(a, torch.from_numpy(b)) for a, b in ((y, y2), (mean, mean2), (var, var2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_sorting_and_counting_paths_give_the_same_bits(dtype):
+    """Fewer indices than table rows take the sorting path (no pass over V offsets); the rows they touch equal the
+    counting sort's bit for bit (each row sums its gradient rows in increasing position either way)."""
+    g = torch.Generator().manual_seed(10)
+    idx = torch.randint(0, 12, (40,), generator=g)  # heavy duplicates: sums of up to ~8 rows
+    grad = torch.randn(40, 33, generator=g).to(dtype)
+    for scale in (False, True):
+        counting = cpu.embedding_dense_backward(grad, idx, 40, 3, scale)  # T = V: counting sort
+        sorting = cpu.embedding_dense_backward(grad, idx, 41, 3, scale)  # T < V: sorting path
+        assert torch.equal(counting, sorting[:40]) and not sorting[40].any()
+        assert not counting[3].any() and counting[idx[0]].any()  # the padding row stays zero; a used row does not
+
+
 # ---------------------------------------------------------------- half-precision rounding
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_results_round_to_nearest_even(dtype):

@@ -54,11 +54,39 @@ def _term(grad, i, j, scale, cnt):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _write_row(grad, order, lo, hi, scale, out, k, acc):  # pragma: no cover - compiled
+    """``out[k] = sum_{i in order[lo:hi]} grad[i] (/ (hi - lo) per term if scale)`` in fp32, strictly in the order
+    of ``order`` (increasing i; no fastmath: the loops vectorize over E and need no reassociation, so the order is
+    the one written here); four gradient rows per pass over the fp32 row sum ``acc`` (E items of scratch)."""
+    e = out.shape[1]
+    cnt = np.float32(hi - lo)
+    i0 = order[lo]
+    if hi - lo == 1:  # the common case at T < V: write the row straight through, no fp32 row sum
+        for j in range(e):
+            st(out, (k, j), _term(grad, i0, j, scale, cnt))
+        return
+    for j in range(e):
+        acc[j] = _term(grad, i0, j, scale, cnt)
+    p = lo + 1
+    while p + 4 <= hi:
+        ia, ib, ic, id_ = order[p], order[p + 1], order[p + 2], order[p + 3]
+        for j in range(e):  # left to right: the index order
+            acc[j] = (acc[j] + _term(grad, ia, j, scale, cnt) + _term(grad, ib, j, scale, cnt)
+                      + _term(grad, ic, j, scale, cnt) + _term(grad, id_, j, scale, cnt))
+        p += 4
+    while p < hi:
+        ip = order[p]
+        for j in range(e):
+            acc[j] = acc[j] + _term(grad, ip, j, scale, cnt)
+        p += 1
+    for j in range(e):
+        st(out, (k, j), acc[j])
+
+
+@njit(cache=True)
 def _gather_block(grad, offsets, order, padding_idx, scale, out, c, acc):  # pragma: no cover - compiled
-    """Table rows ``[c·_ROWS, (c+1)·_ROWS)``: ``out[k] = sum_{i in order[offsets[k]:offsets[k+1]]} grad[i]
-    (/ count[k] per term if scale)`` in fp32, strictly in increasing i (no fastmath: the loops vectorize over E
-    and need no reassociation, so the order is the one written here); zero for untouched rows and for
-    ``padding_idx``. Four gradient rows per pass over the fp32 row sum ``acc`` (scratch of E items)."""
+    """Table rows ``[c·_ROWS, (c+1)·_ROWS)`` from the counting sort: each row its gradient rows' sum
+    (:func:`_write_row`), zero for untouched rows and for ``padding_idx``."""
     v, e = out.shape
     for k in range(c * _ROWS, min(v, (c + 1) * _ROWS)):
         lo = offsets[k]
@@ -66,29 +94,8 @@ def _gather_block(grad, offsets, order, padding_idx, scale, out, c, acc):  # pra
         if hi == lo or k == padding_idx:
             for j in range(e):
                 st(out, (k, j), np.float32(0.0))
-            continue
-        cnt = np.float32(hi - lo)
-        i0 = order[lo]
-        if hi - lo == 1:  # the common case at T < V: write the row straight through, no fp32 row sum
-            for j in range(e):
-                st(out, (k, j), _term(grad, i0, j, scale, cnt))
-            continue
-        for j in range(e):
-            acc[j] = _term(grad, i0, j, scale, cnt)
-        p = lo + 1
-        while p + 4 <= hi:
-            ia, ib, ic, id_ = order[p], order[p + 1], order[p + 2], order[p + 3]
-            for j in range(e):  # left to right: the index order
-                acc[j] = (acc[j] + _term(grad, ia, j, scale, cnt) + _term(grad, ib, j, scale, cnt)
-                          + _term(grad, ic, j, scale, cnt) + _term(grad, id_, j, scale, cnt))
-            p += 4
-        while p < hi:
-            ip = order[p]
-            for j in range(e):
-                acc[j] = acc[j] + _term(grad, ip, j, scale, cnt)
-            p += 1
-        for j in range(e):
-            st(out, (k, j), acc[j])
+        else:
+            _write_row(grad, order, lo, hi, scale, out, k, acc)
 
 
 @njit(parallel=True, cache=True)
@@ -98,13 +105,67 @@ def _gather_parallel(grad, offsets, order, padding_idx, scale, out):  # pragma: 
         _gather_block(grad, offsets, order, padding_idx, scale, out, c, np.empty(e, dtype=np.float32))
 
 
+#: Items per parallel task of the table's zero fill (256 KiB of fp32).
+_ZERO_CHUNK = 1 << 16
+
+
+@njit(parallel=True, cache=True)
+def _zero_parallel(flat):  # pragma: no cover - compiled
+    n = flat.shape[0]
+    for c in prange((n + _ZERO_CHUNK - 1) // _ZERO_CHUNK):
+        flat[c * _ZERO_CHUNK:min(n, (c + 1) * _ZERO_CHUNK)] = 0
+
+
+@njit(cache=True)
+def _first_outside(idx, num_weights):  # pragma: no cover - compiled
+    """The first position whose index lies outside ``[0, num_weights)``, or -1."""
+    for i in range(idx.shape[0]):
+        if idx[i] < 0 or idx[i] >= num_weights:
+            return i
+    return -1
+
+
+@njit(cache=True)
+def _sparse(grad, idx, num_weights, padding_idx, scale, out):  # pragma: no cover - compiled
+    """The backward for few indices in a large table (T < V): the T positions sorted by index (a stable sort, so
+    each row's gradient rows stay in increasing i: the counting sort's order, the same bits), the table zeroed,
+    then only the touched rows written. O(T log T + V·E) with no pass over V offsets, and T·8 bytes of scratch
+    instead of (V + T)·8 (T = 8, V = 32000, E = 8 fp32 on the CI VM, 2026-11-23: 181 µs per call with the counting
+    sort, 81 this way, ATen's embedding_dense_backward 58-69; the 1 MiB zero fill is most of it)."""
+    n = idx.shape[0]
+    v, e = out.shape
+    order = np.argsort(idx, kind="mergesort")
+    flat = out.reshape(v * e)  # zero bits are 0.0 in every storage dtype: one flat fill, vectorised
+    if v * e < PARALLEL_MIN:
+        flat[:] = 0
+    else:
+        _zero_parallel(flat)
+    acc = np.empty(e, dtype=np.float32)
+    lo = 0
+    while lo < n:
+        k = idx[order[lo]]
+        hi = lo + 1
+        while hi < n and idx[order[hi]] == k:
+            hi += 1
+        if k != padding_idx:
+            _write_row(grad, order, lo, hi, scale, out, k, acc)
+        lo = hi
+
+
 @njit(cache=True)
 def _embedding_entry(grad_at, dtype, idx_at, idx_dtype, n, e, num_weights, padding_idx, scale, out_at, offsets,
                      order):  # pragma: no cover - compiled
-    """The backward by address (see :mod:`gradops.cpu._views`): the counting sort (also the range test: returns
-    the first position whose index lies outside the table, nothing written), then the table, serially below
-    :data:`PARALLEL_MIN` written items."""
+    """The backward by address (see :mod:`gradops.cpu._views`); returns the first position whose index lies
+    outside the table (nothing written), else -1. Few indices in a large table (T < V): :func:`_sparse`; else the
+    counting sort (also the range test), then the table, serially below :data:`PARALLEL_MIN` written items."""
     idx = view1(idx_at, idx_dtype, n)
+    if n < num_weights:
+        bad = _first_outside(idx, num_weights)
+        if bad >= 0 or e == 0:
+            return bad
+        _sparse(view2(grad_at, dtype, n, e), idx, num_weights, padding_idx, scale,
+                view2(out_at, dtype, num_weights, e))
+        return -1
     bad = _counting_sort(idx, num_weights, offsets, order)
     if bad >= 0 or num_weights == 0 or e == 0:
         return bad
@@ -129,9 +190,12 @@ def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_gr
     """The backward of (N, E) ``grad`` (any shape with N·E items) and N int32 / int64 ``idx`` into the
     contiguous ``table``; an index outside the table raises before anything is written."""
     n, e = idx.numel(), grad.shape[-1]
-    nbytes = (num_weights + 1 + n) * 8
-    offsets = scratch(workspace, nbytes, 0, np.int64, num_weights + 1)
-    order = scratch(workspace, nbytes, (num_weights + 1) * 8, np.int64, n)
+    if n < num_weights:  # the sorting path: no counting-sort scratch (it sorts into memory of its own, T·8 bytes)
+        offsets = order = _NO_SCRATCH
+    else:
+        nbytes = (num_weights + 1 + n) * 8
+        offsets = scratch(workspace, nbytes, 0, np.int64, num_weights + 1)
+        order = scratch(workspace, nbytes, (num_weights + 1) * 8, np.int64, n)
     grad, idx = dense(grad), dense(idx)
     pad = padding_idx if 0 <= padding_idx < num_weights else -1
     bad = _embedding_entry(grad.data_ptr(), STORAGE[grad.dtype], idx.data_ptr(), STORAGE[idx.dtype], n, e,
@@ -176,3 +240,4 @@ def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices
 
 
 _DIRECT_INDICES = (torch.int64, torch.int32)
+_NO_SCRATCH = np.empty(0, dtype=np.int64)
