@@ -34,14 +34,6 @@ def _bits_to_f32(typingctx, bits):
 
 
 @intrinsic
-def _f32_to_bits(typingctx, value):
-    """Reinterpret a float32 as uint32."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
 def _half_to_f32(typingctx, bits):
     """IEEE float16 bits (int16) -> float32, exact."""
     def codegen(context, builder, sig, args):
@@ -61,17 +53,33 @@ def bf16_bits(value):  # pragma: no cover - replaced by the overload inside comp
     raise NotImplementedError
 
 
+@intrinsic
+def _f32_to_bf16(typingctx, value):
+    """float32 -> bfloat16 bits (uint16), round to nearest even, in 32-bit integer lanes.
+
+    Round: add 0x7FFF plus the lowest kept bit, then keep the top 16 bits. A NaN would round into inf or another
+    NaN pattern, so it takes its top bits with the quiet bit set (sign kept) instead; both are computed and one is
+    selected (no branch, so the loops vectorize). Written in LLVM IR because numba widens uint32 arithmetic to
+    64 bits: the same steps in numba code ran in 64-bit lanes, half as many per vector plus the widening shuffles
+    (bf16 hardswish 1M elements on the CI VM, 2026-11-23: 462 µs against ATen's 202).
+    """
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        high = builder.lshr(u, ir.Constant(i32, 16))
+        lsb = builder.and_(high, ir.Constant(i32, 1))
+        rounded = builder.lshr(builder.add(builder.add(u, ir.Constant(i32, 0x7FFF)), lsb), ir.Constant(i32, 16))
+        quiet = builder.or_(high, ir.Constant(i32, 0x0040))
+        is_nan = builder.icmp_unsigned(">", builder.and_(u, ir.Constant(i32, 0x7FFFFFFF)),
+                                       ir.Constant(i32, 0x7F800000))
+        return builder.trunc(builder.select(is_nan, quiet, rounded), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
 @overload(bf16_bits)
 def _bf16_bits(value):
     def impl(value):
-        u = _f32_to_bits(value)
-        # round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate. A NaN would round into
-        # inf or another NaN pattern, so it takes its top bits with the quiet bit set (sign kept) instead;
-        # both are computed and one is selected (no branch, so the loops vectorize).
-        rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        quiet = (u >> np.uint32(16)) | np.uint32(0x0040)
-        is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        return np.uint16(quiet if is_nan else rounded)
+        return _f32_to_bf16(np.float32(value))
     return impl
 
 
