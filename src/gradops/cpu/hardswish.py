@@ -12,13 +12,14 @@ from numba import njit, prange
 from torch import Tensor
 
 from . import _pool
-from ._host import safe_entry
+from ._host import PARALLEL_MIN, safe_entry
 from ._numeric import FASTMATH, ld, st
 from ._views import STORAGE, view1
 
-#: Elements per parallel task: 64 Ki x 4 B = 256 KiB per input stream, large enough to amortize the task
-#: start, small enough that 32M elements give 512 tasks to balance over the threads.
-_CHUNK = 1 << 16
+#: Elements per parallel task: 16 Ki x 4 B = 64 KiB per input stream. Small enough that a mid-size tensor splits
+#: evenly over the threads (98 Ki elements, a 512 x 192 expert activation, gave 64 Ki + 34 Ki with 64 Ki tasks),
+#: large enough to amortise a task's start; 32M elements give 2048 tasks.
+_CHUNK = 1 << 14
 #: float32(1/3) = 0.33333334f, CANN's constant (docs/semantics.md §3).
 _THIRD = np.float32(0.3333333432674408)
 
@@ -67,7 +68,7 @@ def _hardswish_backward_kernel(g, x, out):  # pragma: no cover - compiled
 def _hardswish_entry(x_at, y_at, dtype, n):  # pragma: no cover - compiled
     """The forward over the ``n`` items at each address (see :mod:`gradops.cpu._views`)."""
     x, y = view1(x_at, dtype, n), view1(y_at, dtype, n)
-    if n <= _CHUNK:  # one task: a parallel launch (~1.5 µs) would run it alone
+    if n < PARALLEL_MIN:  # a parallel launch (~1.6 µs) costs more than the threads save
         _hardswish_chunk(x, y)
     else:
         _hardswish_kernel(x, y)
@@ -76,7 +77,7 @@ def _hardswish_entry(x_at, y_at, dtype, n):  # pragma: no cover - compiled
 @njit(cache=True)
 def _hardswish_backward_entry(g_at, x_at, out_at, dtype, n):  # pragma: no cover - compiled
     g, x, out = view1(g_at, dtype, n), view1(x_at, dtype, n), view1(out_at, dtype, n)
-    if n <= _CHUNK:
+    if n < PARALLEL_MIN:
         _hardswish_backward_chunk(g, x, out)
     else:
         _hardswish_backward_kernel(g, x, out)
