@@ -168,13 +168,20 @@ def choose(op: str, device: torch.device) -> Choice:
     choice for the device) is the one in ``sys.modules``: removing or reloading it, as a test of the fallback does,
     or importing it after an auto fallback, decides again.
     """
+    return choose_with_token(op, device)[0]
+
+
+def choose_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
+    """:func:`choose` with what keeps the choice valid (see :func:`decide_with_token`): for the call plans, which
+    remember a choice beside each shape's check (a new shape - a MoE expert's row count, a sequence length -
+    then pays the check, not the decision's ~4 µs of import-system queries)."""
     key = (_getenv(_ENV_KEY), _getenv(_INTERPRET_KEY), device.type, op)
     hit = _chosen.get(key)
     if hit is not None and sys.modules.get(hit[1]) is hit[2]:
-        return hit[0]
+        return hit
     entry = decide_with_token(op, device)
     _chosen[key] = entry
-    return entry[0]
+    return entry
 
 
 def environment_key() -> tuple:

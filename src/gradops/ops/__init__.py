@@ -1,9 +1,11 @@
 """torch.library operators (namespace ``gradops``) and the public functions that call them.
 
-Each op body dispatches the functional call: validate (the contract, remembered per argument metadata), pick a
-backend (:func:`gradops.backend.choose`), view in the backend's 2-D shape, run. The ``out=`` path and the CANN
-surfaces (:mod:`gradops.aclnn`, :mod:`gradops.ascendc`) use the same contract and backend decision but do their
-own validation call and reshaping.
+Each op has one call plan (:mod:`gradops.ops._plan`): the contract's check and the backend decision, remembered
+together per argument metadata. The op body and the ``out=`` path both run through it: the body calls the plan's
+``run`` (the backend's shaped entry, or the op's adapter that views the arguments in the backend's 2-D shapes),
+``out=`` the plan's backend function into the caller's tensors. The CANN surfaces (:mod:`gradops.aclnn`,
+:mod:`gradops.ascendc`) validate with the CANN-strict form of the same tables and pick the backend through
+:mod:`gradops.backend`.
 """
 
 from .embedding import embedding, embedding_dense_backward

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-from ..backend import Choice, decide_with_token, environment_key, shaped
+from ..backend import Choice, choose_with_token, environment_key, shaped
 from ..contract._memo import LIMIT, key_of
 
 
@@ -72,7 +72,7 @@ class Planner:
             if hit is not None and sys.modules.get(hit[1]) is hit[2]:
                 return hit[0]
         shape = self.check(*args)  # a refusal raises here: never remembered
-        choice, token, module = decide_with_token(self.op, args[self.device_arg].device)
+        choice, token, module = choose_with_token(self.op, args[self.device_arg].device)
         run = shaped(self.op, choice)
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
