@@ -97,7 +97,8 @@ def test_sweep_times_each_module_against_torch_and_writes_jsonl(tmp_path, capsys
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert {(r["module"], r["rows"], r["cols"]) for r in rows} == {(m, r, c) for m in sweep.MODULES
                                                                    for r, c in ((8, 8), (16, 32))}
-    assert all(r["ratio"] == pytest.approx(r["gradops_us"] / r["torch_us"], rel=1e-2) for r in rows)
+    wrong = [r for r in rows if r["ratio"] != pytest.approx(r["gradops_us"] / r["torch_us"], rel=1e-2)]
+    assert not wrong, [(r["module"], r["rows"], r["gradops_us"], r["torch_us"], r["ratio"]) for r in wrong]
 
 
 def test_sweep_with_compile_adds_the_compiled_twin(tmp_path, capsys, monkeypatch):

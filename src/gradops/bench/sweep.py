@@ -117,7 +117,7 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
                         f"{best['torch']:>10.1f} {ratio:>6.2f}")
                 rec = {**env, "bench": "sweep", "module": name, "rows": rows_n, "cols": cols, "dtype": dname,
                        "gradops_us": round(best["gradops"], 2), "torch_us": round(best["torch"], 2),
-                       "ratio": round(ratio, 3)}
+                       "ratio": float(f"{ratio:.4g}")}  # significant digits: a ratio of 0.04 keeps 4
                 if compile_twin:
                     line += f" {best['compile']:>11.1f} {best['gradops'] / best['compile']:>6.2f}"
                     rec["compile_us"] = round(best["compile"], 2)
