@@ -423,3 +423,36 @@ def test_work_is_enqueued_on_the_given_stream(fake):
     _, size, executor = aclnn.aclnnHardswishBackwardGetWorkspaceSize(*cpu_args)
     assert aclnn.aclnnHardswishBackward(torch.empty(size, dtype=torch.uint8), size, executor, stream) == INVALID
 
+
+
+@pytest.mark.parametrize("call,cann,python", [
+    (lambda: aclnn.aclnnHardswishBackwardGetWorkspaceSize(None, torch.zeros(3), torch.zeros(3)), "gradOutput",
+     "grad_output"),
+    (lambda: aclnn.aclnnHardswishBackwardGetWorkspaceSize(torch.zeros(3, dtype=torch.float16), torch.zeros(3),
+                                                          torch.zeros(3)), "gradOutput.dtype", "grad_output"),
+    (lambda: aclnn.aclnnEmbeddingDenseBackwardGetWorkspaceSize(torch.zeros(2, 3), torch.tensor([0, 1]), -1, -1,
+                                                               False, torch.zeros(0, 3)), "numWeights", "num_weights"),
+    (lambda: aclnn.aclnnMoeTokenPermuteGradGetWorkspaceSize(torch.zeros(4, 3), torch.arange(4, dtype=torch.int32),
+                                                            0, False, torch.zeros(2, 3)), "numTopk", "num_topk"),
+    (lambda: aclnn.aclnnMoeTokenPermuteGradGetWorkspaceSize(torch.zeros(4, 3), torch.arange(4, dtype=torch.int32),
+                                                            2, True, torch.zeros(2, 3)), "paddedModeOptional",
+     "padded_mode"),
+], ids=["null", "dtype", "numWeights", "numTopk", "paddedMode"])
+def test_refusals_name_the_cann_arguments(call, cann, python):
+    """Issue 12.6: each surface names the caller's arguments - CANN's spelling here, the PyTorch API's in
+    gradops.* (tests/test_errors.py)."""
+    status, _, executor = call()
+    message = aclnn.aclGetRecentErrMsg()
+    assert status != 0 and executor is None
+    assert f": {cann} must be" in message and python not in message.split(" must be")[0], message
+
+
+def test_a_run_time_refusal_names_the_cann_argument():
+    si = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    out = torch.zeros(2, 3)
+    status, size, executor = aclnn.aclnnMoeTokenPermuteGradGetWorkspaceSize(torch.zeros(4, 3), si, 2, False, out)
+    assert status == 0
+    si[1] = 9  # changed between the phases: refused at run time
+    workspace = torch.empty(size, dtype=torch.uint8) if size else None
+    assert aclnn.aclnnMoeTokenPermuteGrad(workspace, size, executor) == gradops.status.ACLNN_ERR_PARAM_INVALID
+    assert "sortedIndices must be" in aclnn.aclGetRecentErrMsg()

@@ -60,9 +60,33 @@ def _refuse(status: int, message: str) -> int:
     return status
 
 
+#: The aclnn spelling of the arguments the validation tables name as the PyTorch API does, per op: the CANN
+#: surface's refusals name the caller's argument (``numWeights``, not ``num_weights``).
+CANN_NAMES: dict[str, dict[str, str]] = {
+    "hardswish_backward": {"grad_output": "gradOutput"},
+    "embedding_dense_backward": {"num_weights": "numWeights", "padding_idx": "paddingIdx",
+                                 "scale_grad_by_freq": "scaleGradByFreq"},
+    "moe_token_permute_grad": {"permuted_output_grad": "permutedOutputGrad", "sorted_indices": "sortedIndices",
+                               "num_topk": "numTopk", "padded_mode": "paddedModeOptional"},
+    "moe_token_permute": {"num_out_tokens": "numOutTokens", "padded_mode": "paddedMode"},
+}
+
+
+def cann_error(error: OpError) -> OpError:
+    """``error`` with its argument in CANN's spelling (``grad_output.dtype`` -> ``gradOutput.dtype``)."""
+    names = CANN_NAMES.get(error.op)
+    if not names or type(error) is not OpError:
+        return error
+    head = error.arg.split(".", 1)[0].split("[", 1)[0]
+    cann = names.get(head)
+    if cann is None:
+        return error
+    return OpError(error.status, error.op, cann + error.arg[len(head):], error.expected, error.given)
+
+
 def refused(error: OpError) -> tuple[int, int, None]:
-    """Phase 1's answer to a validation failure: ``(status, 0, None)``."""
-    _last.message = str(error)
+    """Phase 1's answer to a validation failure: ``(status, 0, None)``; the message names CANN's argument."""
+    _last.message = str(cann_error(error))
     return error.status, 0, None
 
 
@@ -261,7 +285,7 @@ def execute(op: str, workspace, workspace_size, executor: aclOpExecutor | None, 
         with ctx, torch.no_grad():  # writing into out tensors that require grad is the caller's business
             executor._run(ws)
     except OpError as e:  # data-dependent checks (indices) run here, on the data present at run time
-        _last.message = str(e)
+        _last.message = str(cann_error(e))
         return e.status
     except Exception as e:
         return _refuse(ACLNN_ERR_RUNTIME_ERROR, f"{op}: {executor.backend} failed: {e!r}")

@@ -2,7 +2,8 @@
 
 Source: hicann/ops-nn ``activation/hard_swish_grad/op_host/op_api/aclnn_hardswish_backward.cpp``: dtypes
 {float32, float16, bfloat16}, gradOutput, self and out share dtype and shape (no broadcasting), at most 8 dims,
-0-d and empty tensors allowed, non-contiguous supported.
+0-d and empty tensors allowed, non-contiguous supported. Errors name the PyTorch API's arguments (``grad_output``);
+the aclnn surface renames them to CANN's (``gradOutput``, :data:`gradops.aclnn._executor.CANN_NAMES`).
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ def check_hardswish(x, *, out=None, cann: bool = False) -> None:
 def check_hardswish_backward(grad_output, x, *, out=None, cann: bool = False) -> None:
     op = "hardswish_backward"
     outs = {"out": out} if cann else {}
-    require_present(op, gradOutput=grad_output, self=x, **outs)
-    require_same_device(op, gradOutput=grad_output, self=x, **outs)
+    require_present(op, grad_output=grad_output, self=x, **outs)
+    require_same_device(op, grad_output=grad_output, self=x, **outs)
     require_dtype(op, "self", x, FLOATS)
-    require_dtype(op, "gradOutput", grad_output, FLOATS)
-    require_same_dtype(op, "gradOutput", grad_output, "self", x)
+    require_dtype(op, "grad_output", grad_output, FLOATS)
+    require_same_dtype(op, "grad_output", grad_output, "self", x)
     if cann:
         require_same_dtype(op, "out", out, "self", x)
-    require_rank(op, "gradOutput", grad_output, 0, MAX_RANK)
+    require_rank(op, "grad_output", grad_output, 0, MAX_RANK)
     require_rank(op, "self", x, 0, MAX_RANK)
-    require_shape(op, "gradOutput", grad_output, x.shape, "the shape of self")
+    require_shape(op, "grad_output", grad_output, x.shape, "the shape of self")
     if cann:
         require_shape(op, "out", out, x.shape, "the shape of self")

@@ -84,7 +84,7 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
     """
     if out is not None:
         plan = plan_hardswish_backward(grad_output, self)
-        outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, gradOutput=grad_output,
+        outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, grad_output=grad_output,
                          self=self)
         return run_into(plan.backend.fn, (grad_output, self), outs, [None])[0]
     return _hardswish_backward(grad_output, self, check=check_hardswish_backward)
