@@ -162,10 +162,10 @@ def half_h8():
 
 BUF = torch.empty(16)
 INV = ACLNN_ERR_PARAM_INVALID
-MISUSE = {  # name: (arguments, status, the argument the error must name)
+MISUSE = {  # name: (arguments, status, the argument the error must name, in AscendC's spelling: issue 12.6)
     "null output": (misuse(outputPdBeta=None), ACLNN_ERR_PARAM_NULLPTR, "outputPdBeta"),
     "null input": (misuse(inputDy=None), ACLNN_ERR_PARAM_NULLPTR, "inputDy"),
-    "bfloat16": (misuse(inputDy=torch.zeros(2, 4, 8, dtype=torch.bfloat16)), INV, "dy.dtype"),
+    "bfloat16": (misuse(inputDy=torch.zeros(2, 4, 8, dtype=torch.bfloat16)), INV, "inputDy.dtype"),
     "output dtype": (misuse(outputPdGamma=torch.empty(8, dtype=torch.float16)), INV, "outputPdGamma.dtype"),
     "half + isReuseSource": ({**half_h8(), "isReuseSource": True}, INV, "isReuseSource"),
     "H*sizeof(half) = 16 bytes": (half_h8(), INV, "H * sizeof(T)"),
@@ -175,7 +175,7 @@ MISUSE = {  # name: (arguments, status, the argument the error must name)
     "overlapping outputs": (misuse(outputPdGamma=BUF[:8], outputPdBeta=BUF[4:12]), INV, "outputPdGamma/outputPdBeta"),
     "buffer too small": (misuse(sharedTmpBuffer=torch.empty(127, dtype=torch.uint8)), INV, "sharedTmpBuffer"),
     "buffer not uint8": (misuse(sharedTmpBuffer=torch.empty(32)), INV, "sharedTmpBuffer.dtype"),
-    "inputs differ in shape": (misuse(resForGamma=torch.zeros(4, 2, 8)), INV, "res_for_gamma.shape"),
+    "inputs differ in shape": (misuse(resForGamma=torch.zeros(4, 2, 8)), INV, "resForGamma.shape"),
     "inputs vs tiling": (misuse(resForGamma=torch.zeros(4, 2, 8), inputDy=torch.zeros(4, 2, 8)), INV, "inputDy"),
     "output shape": (misuse(outputPdGamma=torch.empty(16)), INV, "outputPdGamma"),
     "originH != storageH": (misuse(tiling=GetLayerNormGradBetaNDTilingInfo([2, 4, 8, 6], 128, 4, False)), INV,
@@ -239,3 +239,21 @@ def test_layer_norm_grad_misuse():
     with pytest.raises(OpError) as info:
         LayerNormGrad(None, torch.empty(2, 16), x, x, *stats)
     assert info.value.status == ACLNN_ERR_PARAM_NULLPTR
+
+
+def test_layer_norm_grad_refusals_name_ascendc_arguments():
+    """Issue 12.6: the shared validation table names the PyTorch API's arguments (dy, x, variance); AscendC's
+    LayerNormGrad names its own (inputDy, inputX, inputVariance)."""
+    from gradops.ascendc import LayerNormGrad
+
+    x = torch.zeros(2, 4, 8)
+    outs = (torch.empty(2, 4, 8), torch.empty(2, 4, 8))
+    stat, gamma = torch.zeros(2, 4), torch.ones(8)
+    for bad, arg in (({"inputDy": torch.zeros(2, 4, 7)}, "inputDy.shape"),
+                     ({"inputVariance": torch.zeros(3, 4)}, "inputVariance.shape"),
+                     ({"inputX": torch.zeros(2, 4, 8, dtype=torch.float64)}, "inputX.dtype")):
+        args = {"inputDy": x, "inputX": x, "inputVariance": stat, "inputMean": stat, "inputGamma": gamma, **bad}
+        with pytest.raises(OpError) as info:
+            LayerNormGrad(*outs, args["inputDy"], args["inputX"], args["inputVariance"], args["inputMean"],
+                          args["inputGamma"], 1e-5)
+        assert (info.value.arg, info.value.op) == (arg, "LayerNormGrad"), str(info.value)

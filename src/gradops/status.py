@@ -54,5 +54,14 @@ class OpError(ValueError):
         name = STATUS_NAMES.get(status, "UNKNOWN")
         super().__init__(f"{op}: {arg} must be {expected}, got {given} [{name} {status}]")
 
+    def renamed(self, names: dict[str, str], op: str | None = None) -> OpError:
+        """This error as another surface spells it: the argument's leading name through ``names`` (``grad_output.dtype``
+        -> ``gradOutput.dtype``), and ``op`` if given; itself when nothing changes or it is a subclass."""
+        head = self.arg.split(".", 1)[0].split("[", 1)[0]
+        new = names.get(head, head)
+        if type(self) is not OpError or (new == head and op in (None, self.op)):
+            return self
+        return OpError(self.status, op or self.op, new + self.arg[len(head):], self.expected, self.given)
+
     def __reduce__(self):  # keep the fields across pickling (DDP workers, multiprocessing)
         return (OpError, (self.status, self.op, self.arg, self.expected, self.given))

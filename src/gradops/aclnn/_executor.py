@@ -74,14 +74,7 @@ CANN_NAMES: dict[str, dict[str, str]] = {
 
 def cann_error(error: OpError) -> OpError:
     """``error`` with its argument in CANN's spelling (``grad_output.dtype`` -> ``gradOutput.dtype``)."""
-    names = CANN_NAMES.get(error.op)
-    if not names or type(error) is not OpError:
-        return error
-    head = error.arg.split(".", 1)[0].split("[", 1)[0]
-    cann = names.get(head)
-    if cann is None:
-        return error
-    return OpError(error.status, error.op, cann + error.arg[len(head):], error.expected, error.given)
+    return error.renamed(CANN_NAMES.get(error.op, {}))
 
 
 def refused(error: OpError) -> tuple[int, int, None]:

@@ -27,9 +27,15 @@ from ..backend import select
 from ..contract._common import fail, require_dtype, require_present, require_same_device, shape_text
 from ..contract.layer_norm import check_layer_norm_grad, check_layer_norm_grad_beta
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ..status import OpError
 from .tiling import LayerNormGradBetaTiling
 
 _ALIGN_BYTES = 32  # AscendC vector operands: the H axis must fill whole 32-byte blocks
+
+
+#: AscendC's argument names for the validation tables' (PyTorch API) names: refusals name the caller's argument.
+_GRAD_NAMES = {"dy": "inputDy", "x": "inputX", "variance": "inputVariance", "mean": "inputMean", "gamma": "inputGamma"}
+_BETA_NAMES = {"res_for_gamma": "resForGamma", "dy": "inputDy"}
 
 
 def _byte_range(t: Tensor) -> tuple[int, int] | None:
@@ -120,7 +126,10 @@ def LayerNormGradBeta(outputPdGamma: Tensor, outputPdBeta: Tensor, resForGamma: 
     op = "LayerNormGradBeta"
     require_present(op, outputPdGamma=outputPdGamma, outputPdBeta=outputPdBeta, resForGamma=resForGamma,
                     inputDy=inputDy)
-    check_layer_norm_grad_beta(resForGamma, inputDy, cann=True)
+    try:
+        check_layer_norm_grad_beta(resForGamma, inputDy, cann=True)
+    except OpError as e:
+        raise e.renamed(_BETA_NAMES, op) from None
     dtype, device = inputDy.dtype, inputDy.device
     require_same_device(op, inputDy=inputDy, outputPdGamma=outputPdGamma, outputPdBeta=outputPdBeta)
     for name, out in (("outputPdGamma", outputPdGamma), ("outputPdBeta", outputPdBeta)):
@@ -187,7 +196,10 @@ def LayerNormGrad(outputPdX: Tensor, resForGamma: Tensor, inputDy: Tensor, input
     """
     op = "LayerNormGrad"
     require_present(op, outputPdX=outputPdX, resForGamma=resForGamma)
-    rows, cols = check_layer_norm_grad(inputDy, inputX, inputVariance, inputMean, inputGamma, epsilon, cann=True)
+    try:
+        rows, cols = check_layer_norm_grad(inputDy, inputX, inputVariance, inputMean, inputGamma, epsilon, cann=True)
+    except OpError as e:
+        raise e.renamed(_GRAD_NAMES, op) from None
     require_same_device(op, inputX=inputX, outputPdX=outputPdX, resForGamma=resForGamma)
     for name, out in (("outputPdX", outputPdX), ("resForGamma", resForGamma)):
         require_dtype(op, name, out, (inputX.dtype,))
