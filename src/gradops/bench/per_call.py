@@ -31,7 +31,8 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
     _, mean, var = gradops.layer_norm(x, gamma, beta, 1e-5)
     ln_rstd = torch.rsqrt(var + 1e-5)
     idx = torch.randint(0, 8, (8,), generator=g)
-    _, sorted_idx = gradops.moe_token_permute(x, torch.randint(0, 4, (8, 2), generator=g))
+    experts = torch.randint(0, 4, (8, 2), generator=g)
+    _, sorted_idx = gradops.moe_token_permute(x, experts)
     perm_grad = torch.randn(16, 8, generator=g)
     probs = torch.rand(8, 2, generator=g)
     pg, probs_g = perm_grad.clone().requires_grad_(), probs.clone().requires_grad_()
@@ -69,6 +70,8 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
             "gradops": lambda: gradops.embedding_dense_backward(dy, idx, 8),
             "op": lambda: ops.embedding_dense_backward(dy, idx, 8, -1, False),
             "aten": lambda: aten.embedding_dense_backward(dy, idx, 8, -1, False)},
+        "moe_token_permute": {"gradops": lambda: gradops.moe_token_permute(x, experts),
+                              "op": lambda: ops.moe_token_permute(x, experts, None, False), "aten": None},
         "moe_token_permute_grad": {"gradops": lambda: gradops.moe_token_permute_grad(perm_grad, sorted_idx, 2),
                                    "op": lambda: ops.moe_token_permute_grad(perm_grad, sorted_idx, 2, False),
                                    "aten": None},
