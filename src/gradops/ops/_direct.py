@@ -1,15 +1,16 @@
 """Custom ops whose eager calls skip the ``torch.library`` boundary when nothing needs it.
 
-A call through a custom op pays torch's Python dispatch of the op, and, when autograd records it, the op's
-autograd wrapper: ``gradops bench --per-call`` measures both against the direct path on your machine (on the 2-core
-CI VM with torch 2.13 at 8 x 8 fp32, 2026-11-23, after the call plans: a call through the op 14-28 µs more than
-the direct path, a recorded forward + backward pair 52-86 µs more). The boundary is needed only by something that
-watches or transforms the call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors, dispatch and function modes,
-functorch transforms and the legacy vmap of batched gradients, tensor subclasses, meta tensors, tensors with a
-lazy negation or conjugation bit, and the profiler (so that traces still name ``gradops::<op>``). When none of
-these is active, :class:`DirectOp` runs the op body - the op's single dispatch point, which runs the op's call
-plan (:mod:`gradops.ops._plan`: validation and backend) - directly, or, when autograd records the call, through a ``torch.autograd.Function`` built from the
-same setup_context / backward pair the op registers. Results are the same bits either way (tests/test_direct.py).
+A call through a custom op pays torch's Python dispatch of the op, and, when autograd records it, the op's autograd
+wrapper: ``gradops bench --per-call`` measures both against the direct path on your machine (on the 2-core CI VM
+with torch 2.13 at 8 x 8 fp32, 2026-11-23, after the call plans: a call through the op 14-28 µs more than the direct
+path, a recorded forward + backward pair 52-86 µs more). The boundary is needed only by something that watches or
+transforms the call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors, dispatch and
+function modes, functorch transforms and the legacy vmap of batched gradients, tensor subclasses, meta tensors,
+tensors with a lazy negation or conjugation bit, and the profiler (so that traces still name ``gradops::<op>``).
+When none of these is active, :class:`DirectOp` runs the op body - the op's single dispatch point, which runs the
+op's call plan (:mod:`gradops.ops._plan`: validation and backend) - directly, or, when autograd records the call,
+through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op registers. Results
+are the same bits either way (tests/test_direct.py).
 Under torch.func, grad / vjp run the op inside a setup_context-style Function (torch.library's own autograd lacks
 one), and vmap runs the op's vmap rule: the op once per sample (tests/test_func.py).
 
