@@ -1,9 +1,9 @@
-"""Host side of the compiled CPU kernels: torch tensors <-> numpy views, outputs, row blocks, workspace.
+"""Host side of the compiled CPU kernels: contiguous inputs, outputs, row blocks, workspace, thread and fork safety.
 
-The kernels see numpy views that share memory with the torch tensors (no copy): float32 as float32, float16
-as its bits in an ``int16`` array, bfloat16 as its bits in a ``uint16`` array (numba has no bfloat16; the
-kernels convert with :mod:`gradops.cpu._numeric`). Inputs that are not contiguous are copied once (a 2-D view
-with a row stride costs ``2·M·N·s`` more bytes; the kernels then get one memory layout to compile for).
+The kernels get each tensor by address (:mod:`gradops.cpu._views`) and view it themselves: float32 as float32,
+float16 as its bits in an ``int16`` array, bfloat16 as its bits in a ``uint16`` array (numba has no bfloat16; the
+kernels convert with :mod:`gradops.cpu._numeric`). Inputs that are not contiguous are copied once (:func:`dense`;
+a 2-D view with a row stride costs ``2·M·N·s`` more bytes; the kernels then get one memory layout to compile for).
 """
 
 from __future__ import annotations
@@ -25,24 +25,6 @@ from . import _pool
 #: threads busy while the fp32 partials stay small (64 x 4096 x 4 B = 1 MiB at N = 4096, 0.6% of the traffic of
 #: an 8192 x 4096 fp32 RMSNorm backward).
 ROW_BLOCKS = 64
-
-
-#: The dtypes numpy lacks, viewed as their bits (the rest convert as they are).
-_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.uint16}
-
-
-def as_array(t: Tensor) -> np.ndarray:
-    """A numpy view of ``t`` (made contiguous first if it is not) in the kernels' storage dtype.
-
-    Per call this is the cost of ``Tensor.numpy()`` (~1 µs) plus a dict lookup: ``detach`` only for a tensor that
-    requires grad (``numpy()`` refuses those), a dtype view only for float16 / bfloat16 (each 0.6-1 µs, and a
-    backward passes five to seven arrays)."""
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    bits = _BITS.get(t.dtype)
-    return (t if bits is None else t.view(bits)).numpy()
 
 
 #: Work (items of the main tensor) below which the entries run their loop serially: a parallel region costs ~1.6 µs

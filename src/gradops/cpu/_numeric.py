@@ -1,7 +1,7 @@
 """Element access for the compiled CPU kernels: one spelling for float32, float16 and bfloat16.
 
 numba has no bfloat16 and only partial float16 support, so half tensors reach the kernels as their raw bits:
-float16 as an ``int16`` array, bfloat16 as a ``uint16`` array (see :func:`gradops.cpu._host.as_array`). The
+float16 as an ``int16`` array, bfloat16 as a ``uint16`` array (see :mod:`gradops.cpu._views`). The
 kernels read with :func:`ld` and write with :func:`st`; both pick the conversion from the array's numba dtype
 at compile time, so the float32 path is a plain load/store and every dtype compiles to its own machine code.
 
