@@ -5,7 +5,9 @@ the swap table becomes the table's drop-in subclass (:mod:`gradops.nn`). The swa
 class, so the module object itself stays: its parameters and buffers (hence optimizer references, device,
 dtype), hyper-parameters (eps, padding_idx, ...), training flag and hooks are all kept, and a module shared by
 two parents is swapped once. Subclasses of the torch classes (a model's own ``MyNorm(nn.LayerNorm)``) are left
-alone and reported, since their forward may differ.
+alone and reported, since their forward may differ. Hugging Face transformers' RMSNorm classes (their own
+classes, not ``torch.nn.RMSNorm``) are swapped when their forward is the Llama or the Gemma formula
+(:mod:`gradops.transformers`), and reported otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +34,24 @@ def _unsupported(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _transformers_norm(cls: type) -> bool:
+    """A Hugging Face transformers RMSNorm class (gradops.transformers decides whether its formula is known)."""
+    return cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
+
+
+def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchReport) -> None:
+    from . import transformers as hf
+
+    cls = type(module)
+    target = hf.gradops_class(cls)
+    if target is None:
+        report.skipped.append((where, cls.__name__, "a transformers RMSNorm whose forward is neither the Llama nor "
+                                                    "the Gemma formula: left alone, not guessed"))
+        return
+    module.__class__ = target
+    report.swapped.append((where, cls.__name__, hf.describe(module)))
+
+
 @dataclass
 class PatchReport:
     """What :func:`patch` did. ``swapped`` and ``skipped`` hold ``(path, class name, detail)`` rows; the root
@@ -54,7 +74,8 @@ class PatchReport:
         summary = ", ".join(f"{n} {c}" for c, n in sorted(self.counts().items())) or "nothing"
         lines = [f"gradops.patch: swapped {len(self.swapped)} module(s) ({summary}); skipped {len(self.skipped)}"]
         width = max((len(p) for p, _, _ in self.swapped + self.skipped), default=0)
-        lines += [f"  {p:<{width}}  -> gradops.nn.{c}({d})" for p, c, d in self.swapped]
+        lines += [f"  {p:<{width}}  -> {'gradops.nn' if c in nn.__all__ else 'gradops.transformers'}.{c}({d})"
+                  for p, c, d in self.swapped]
         lines += [f"  {p:<{width}}  kept {c}: {d}" for p, c, d in self.skipped]
         return "\n".join(lines)
 
@@ -82,6 +103,9 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
         where = path or "(root)"
         cls = type(module)
         target = table.get(cls)
+        if target is None and swaps is None and _transformers_norm(cls):
+            _swap_transformers_norm(module, where, report)
+            continue
         if target is None:
             base = next((s for s in table if isinstance(module, s) and cls not in targets), None)
             if base is not None:
