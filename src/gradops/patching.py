@@ -7,7 +7,8 @@ dtype), hyper-parameters (eps, padding_idx, ...), training flag and hooks are al
 two parents is swapped once. Subclasses of the torch classes (a model's own ``MyNorm(nn.LayerNorm)``) are left
 alone and reported, since their forward may differ. Hugging Face transformers' RMSNorm classes (their own
 classes, not ``torch.nn.RMSNorm``) are swapped when their forward is the Llama or the Gemma formula
-(:mod:`gradops.transformers`), and reported otherwise.
+(:mod:`gradops.transformers`), and reported otherwise; their MoE experts modules are switched to the "gradops"
+experts implementation (a config setting, not a class swap: transformers dispatches on it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def _transformers_norm(cls: type) -> bool:
     return cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
 
 
+def _transformers_experts(module: torch.nn.Module) -> bool:
+    """A Hugging Face transformers MoE experts module (without importing transformers for other models)."""
+    if not type(module).__module__.startswith("transformers."):
+        return False
+    from . import transformers as hf
+
+    return hf.is_experts(module)
+
+
 def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchReport) -> None:
     from . import transformers as hf
 
@@ -52,6 +62,24 @@ def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchRe
     report.swapped.append((where, cls.__name__, hf.describe(module)))
 
 
+def _switch_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]], report: PatchReport) -> None:
+    """Switch the transformers experts modules ``found`` to the "gradops" experts implementation: through the
+    model's own ``set_experts_implementation`` when ``model`` is a transformers model, else on each module's
+    config (shared by every experts module of that model)."""
+    from . import transformers as hf
+
+    hf.register()
+    before = [m.config._experts_implementation for _, m in found]
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(hf.EXPERTS)
+    for (where, module), was in zip(found, before):
+        if module.config._experts_implementation != hf.EXPERTS:
+            module.config._experts_implementation = hf.EXPERTS
+        if was != hf.EXPERTS:
+            detail = f"{module.num_experts} experts, experts_implementation {was!r} -> {hf.EXPERTS!r}"
+            report.switched.append((where, type(module).__name__, detail))
+
+
 @dataclass
 class PatchReport:
     """What :func:`patch` did. ``swapped`` and ``skipped`` hold ``(path, class name, detail)`` rows; the root
@@ -59,23 +87,26 @@ class PatchReport:
 
     swapped: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    #: transformers MoE experts modules switched to the "gradops" experts implementation.
+    switched: list[tuple[str, str, str]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        """Swapped modules per gradops class name."""
+        """Swapped and switched modules per class name."""
         out: dict[str, int] = {}
-        for _, name, _ in self.swapped:
+        for _, name, _ in self.swapped + self.switched:
             out[name] = out.get(name, 0) + 1
         return out
 
     def __len__(self) -> int:
-        return len(self.swapped)
+        return len(self.swapped) + len(self.switched)
 
     def __str__(self) -> str:
         summary = ", ".join(f"{n} {c}" for c, n in sorted(self.counts().items())) or "nothing"
-        lines = [f"gradops.patch: swapped {len(self.swapped)} module(s) ({summary}); skipped {len(self.skipped)}"]
-        width = max((len(p) for p, _, _ in self.swapped + self.skipped), default=0)
+        lines = [f"gradops.patch: swapped {len(self)} module(s) ({summary}); skipped {len(self.skipped)}"]
+        width = max((len(p) for p, _, _ in self.swapped + self.switched + self.skipped), default=0)
         lines += [f"  {p:<{width}}  -> {'gradops.nn' if c in nn.__all__ else 'gradops.transformers'}.{c}({d})"
                   for p, c, d in self.swapped]
+        lines += [f"  {p:<{width}}  {c}: {d}" for p, c, d in self.switched]
         lines += [f"  {p:<{width}}  kept {c}: {d}" for p, c, d in self.skipped]
         return "\n".join(lines)
 
@@ -90,8 +121,9 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
             instance already carries all the state the target's forward reads.
 
     Returns:
-        A :class:`PatchReport` listing the swapped modules and the matching ones that were kept (subclasses
-        of the torch classes, unsupported options such as ``Embedding(sparse=True)``).
+        A :class:`PatchReport` listing the swapped modules, the transformers experts modules switched to the
+        "gradops" experts implementation, and the matching ones that were kept (subclasses of the torch
+        classes, unsupported options such as ``Embedding(sparse=True)``, unknown norm formulas).
     """
     table = SWAPS if swaps is None else swaps
     for source, target in table.items():
@@ -99,12 +131,16 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
             raise TypeError(f"gradops.patch: {target.__name__} must subclass {source.__name__} to replace it in place")
     targets = set(table.values())
     report = PatchReport()
+    experts: list[tuple[str, torch.nn.Module]] = []
     for path, module in model.named_modules():  # shared modules are visited once
         where = path or "(root)"
         cls = type(module)
         target = table.get(cls)
         if target is None and swaps is None and _transformers_norm(cls):
             _swap_transformers_norm(module, where, report)
+            continue
+        if target is None and swaps is None and _transformers_experts(module):
+            experts.append((where, module))
             continue
         if target is None:
             base = next((s for s in table if isinstance(module, s) and cls not in targets), None)
@@ -118,4 +154,6 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
             continue
         module.__class__ = target
         report.swapped.append((where, target.__name__, module.extra_repr()))
+    if experts:
+        _switch_experts(model, experts, report)
     return report

@@ -1,34 +1,60 @@
-"""Hugging Face ``transformers`` models on gradops: the RMSNorm families (issue 10, first part).
+"""Hugging Face ``transformers`` models on gradops: the RMSNorm families and the MoE experts.
 
-``gradops.patch(model)`` swaps every RMSNorm of a transformers model whose forward is one of the two formulas
-transformers uses, recognised by their source code rather than by class name (a model's norm class is a copy
-of one of them, "# Copied from", or it is something else and is left alone, named in the report):
+Two ways in (both need ``pip install 'gradops[transformers]'``; tested against transformers 5.23.0):
 
-- Llama-style (Llama, Mistral, Qwen2/3 and their q/k per-head norms, Mixtral, Qwen3-MoE, OLMoE, DeepSeek, ...):
-  ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``;
-- Gemma-style: ``(x_f32 * rsqrt(mean(x_f32^2) + eps) * (1 + weight_f32)).to(x.dtype)``.
+- ``gradops.patch(model)`` on a model already built: swaps its norms in place (below) and switches its MoE
+  experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once);
+- ``gradops.transformers.register(norms=True)`` before ``from_pretrained`` / ``from_config``: the experts
+  implementation is then loadable by name (``experts_implementation="gradops"``) and transformers' own
+  patch mapping builds the norm classes as gradops' subclasses.
 
-Both run on :func:`gradops.rms_norm` (aclnnRmsNorm forward, aclnnRmsNormGrad backward), normalising in float32
-and rounding once to x's dtype (the Gemma formula exactly; the weight becomes ``1 + weight`` in float32). For the
-Llama formula in float32 the two orders give the same result to float32 rounding; in half precision transformers
-rounds the normalised x to x's dtype and then multiplies by the weight (a second rounding), where gradops, as
-CANN's RmsNorm, multiplies in float32 and rounds once: closer to the float64 result, not bitwise HF's. A call whose
-dtypes CANN's table does not cover (float64, or a float32 weight beside half x, where transformers' result is
-float32) runs transformers' own forward unchanged.
+The norms: every transformers RMSNorm whose code is one of three formulas transformers uses is swapped,
+recognised by its code (an AST without comments, docstring or annotations, including the ``_norm`` helper some
+call) rather than by class name: a model's norm class is a copy of one of them ("# Copied from"), or it is
+something else and is left alone, named in the report, never guessed.
 
-Nothing here imports ``transformers`` unless the model being patched already did.
+- Llama-style (138 classes in 5.23.0: Llama, Mistral, Qwen2/3 and their per-head q/k norms, Mixtral, Qwen3-MoE,
+  OLMoE, DeepSeek-V3, ...): ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``;
+- Gemma-style: ``(x_f32 * rsqrt(mean(x_f32^2) + eps) * (1 + weight_f32)).to(x.dtype)``;
+- GPT-OSS-style (T5's order: GPT-OSS, AFMoE, ...): ``(weight * x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``.
+
+All run on :func:`gradops.rms_norm` (aclnnRmsNorm forward, aclnnRmsNormGrad backward), normalising in float32
+and rounding once to x's dtype: the Gemma formula (the weight becomes ``1 + weight`` in float32) and the GPT-OSS
+formula exactly. For the Llama formula in float32 the two orders give the same result to float32 rounding; in
+half precision transformers rounds the normalised x to x's dtype and then multiplies by the weight (a second
+rounding), where gradops, as CANN's RmsNorm, multiplies in float32 and rounds once: closer to the float64 result,
+not bitwise transformers'. A call whose dtypes CANN's table does not cover (float64, or for the Llama formula a
+float32 weight beside half x, where transformers' result is float32) runs transformers' own forward unchanged.
+
+The experts (:func:`experts_forward`): transformers' ``"grouped_mm"`` implementation with gradops' token
+movement: :func:`gradops.moe_token_permute` groups the token copies by expert (its backward is
+aclnnMoeTokenPermuteGrad: a fixed-order sum per token, no scatter-add), transformers' own grouped matmul
+dispatcher runs the experts (so a comparison with ``"grouped_mm"`` measures exactly the token movement), and
+:func:`gradops.moe_token_unpermute` weights and merges each token's K results in one pass in float32, rounding
+once (``"grouped_mm"`` materialises the weighted copies, gathers them back into token order, then sums).
+
+Nothing here imports ``transformers`` unless the model being patched already did or :func:`register` is called.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import textwrap
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
 from . import ops
+from .contract.rms_norm import DTYPE_TABLE as RMS_NORM_DTYPES
+
+#: The experts implementation name gradops registers in transformers' ``ALL_EXPERTS_FUNCTIONS``.
+EXPERTS = "gradops"
+#: The model families whose RMSNorm classes ``register(norms=True)`` maps (their modeling modules are imported).
+NORM_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                 "gemma3", "olmoe", "deepseek_v3", "gpt_oss")
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,29 +62,56 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 def _source(fn: object) -> str | None:
     try:
         return textwrap.dedent(inspect.getsource(fn))  # type: ignore[arg-type]
-    except (OSError, TypeError):
+    except (OSError, TypeError, SyntaxError):
         return None
+
+
+def _shape_of(fn: object) -> str | None:
+    """A method's code without its comments, docstring and annotations (an AST dump): two copies of one formula
+    match whatever their comments say, and nothing else does."""
+    src = _source(fn)
+    if src is None:
+        return None
+    try:
+        node = ast.parse(src).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    args = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+    return repr(args) + ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def _fingerprint(cls: type) -> str | None:
+    """The formula of an RMSNorm class: its forward and the ``_norm`` helper some of them call."""
+    parts = [_shape_of(cls.forward), _shape_of(cls._norm) if hasattr(cls, "_norm") else "-"]
+    return None if None in parts else "\n".join(parts)  # type: ignore[arg-type]
 
 
 @functools.cache
 def _templates() -> dict[str, str]:
-    """The source of transformers' own Llama and Gemma RMSNorm forwards -> style."""
+    """The formula of transformers' own Llama, Gemma and GPT-OSS RMSNorm -> style."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     out = {}
-    for cls, style in ((LlamaRMSNorm, "llama"), (GemmaRMSNorm, "gemma")):
-        src = _source(cls.forward)
-        if src is not None:
-            out[src] = style
+    for cls, style in ((LlamaRMSNorm, "llama"), (GemmaRMSNorm, "gemma"), (GptOssRMSNorm, "gpt_oss")):
+        key = _fingerprint(cls)
+        if key is not None:
+            out[key] = style
     return out
 
 
 def rms_norm_style(cls: type) -> str | None:
-    """``"llama"`` or ``"gemma"`` for a transformers RMSNorm class whose forward is that formula, else None."""
+    """``"llama"``, ``"gemma"`` or ``"gpt_oss"`` for a transformers RMSNorm class whose forward is that formula
+    (comments and annotations aside), else None."""
     if not cls.__module__.startswith("transformers."):
         return None
-    return _templates().get(_source(cls.forward) or "")
+    return _templates().get(_fingerprint(cls) or "")
 
 
 def _llama_forward(self, hidden_states: Tensor) -> Tensor:
@@ -73,8 +126,14 @@ def _gemma_forward(self, x: Tensor) -> Tensor:
     return ops.rms_norm(x, 1.0 + self.weight.float(), float(self.eps))[0]
 
 
-_FORWARDS = {"llama": _llama_forward, "gemma": _gemma_forward}
-_EPS_ATTR = {"llama": "variance_epsilon", "gemma": "eps"}
+def _gpt_oss_forward(self, hidden_states: Tensor) -> Tensor:
+    if (hidden_states.dtype, self.weight.dtype) not in RMS_NORM_DTYPES:
+        return super(type(self), self).forward(hidden_states)
+    return ops.rms_norm(hidden_states, self.weight, float(self.variance_epsilon))[0]
+
+
+_FORWARDS = {"llama": _llama_forward, "gemma": _gemma_forward, "gpt_oss": _gpt_oss_forward}
+_EPS_ATTR = {"llama": "variance_epsilon", "gemma": "eps", "gpt_oss": "variance_epsilon"}
 
 
 @functools.cache
@@ -93,3 +152,113 @@ def describe(module: torch.nn.Module) -> str:
     """The report detail of a swapped norm: its style, width and epsilon."""
     style = type(module).gradops_style  # type: ignore[attr-defined]
     return f"{style}-style, {tuple(module.weight.shape)}, eps={getattr(module, _EPS_ATTR[style])}"
+
+
+def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+                    ) -> Tensor:
+    """The ``"gradops"`` experts implementation (the signature of transformers' ``ALL_EXPERTS_FUNCTIONS``).
+
+    permute (gradops) -> grouped up projection, gate / activation, grouped down projection (transformers'
+    grouped matmul dispatcher, its optional biases and post-expert norm) -> weighted unpermute (gradops).
+    Differentiable w.r.t. ``hidden_states``, the expert weights and ``top_k_weights``; deterministic (no
+    scatter-add anywhere in the token movement).
+
+    Args:
+        self: a transformers experts module (one decorated with ``use_experts_implementation``).
+        hidden_states: (T, H) tokens.
+        top_k_index: (T, K) expert ids; under expert parallelism ids >= ``self.num_experts`` are sentinels for
+            experts on other ranks (their routing weights are zero): they sort to the tail, no matmul runs on
+            them, and they add nothing to the output or to any gradient, as in ``"grouped_mm"``.
+        top_k_weights: (T, K) routing weights.
+
+    Returns:
+        (T, H) in ``hidden_states``' dtype. Dtypes outside CANN's MoE tables (float64 tokens, weights or
+        routing weights) run ``"batched_mm"`` (torch's grouped matmul has no float64 kernel).
+    """
+    from transformers.integrations.moe import _grouped_linear, batched_mm_experts_forward
+
+    up, up_bias = (self.gate_up_proj, "gate_up_proj_bias") if self.has_gate else (self.up_proj, "up_proj_bias")
+    if any(t.dtype not in _FLOATS for t in (hidden_states, top_k_weights, up, self.down_proj)):
+        return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    num_experts = self.num_experts
+    permuted, sorted_indices = ops.moe_token_permute(hidden_states, top_k_index)
+    # Rows per expert, for the grouped matmul's offsets. histc, as "grouped_mm" does: a fixed-size result (no
+    # host sync, CUDA-graph and torch.compile friendly) that drops the sentinels (> max) from the counts; CPU's
+    # histc takes only floats (exact for ids < 2**24), CUDA's deterministic histc only integers.
+    ids = top_k_index.reshape(-1)
+    counted = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
+    offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), 0,
+                           dtype=torch.int32)
+    tail = None
+    if self._is_expert_parallel:
+        # The grouped matmul leaves the sentinel rows (>= offsets[-1]) of its outputs and of its input
+        # gradient uninitialised: zero them after each projection, and zero the permuted input out of place
+        # so that its backward zeroes their gradient before moe_token_permute_grad sums it into the tokens.
+        tail = (torch.arange(permuted.shape[0], device=permuted.device) >= offsets[-1]).unsqueeze(-1)
+        permuted = permuted.masked_fill(tail, 0.0)
+    sorted_ids = None
+    if self.has_bias:
+        # The expert id of each permuted row (the bias to add): ids scattered to their permuted positions.
+        sorted_ids = torch.empty_like(ids)
+        sorted_ids[sorted_indices.long()] = ids
+        sorted_ids.clamp_(max=num_experts - 1)
+    out = _grouped_linear(permuted, up, offsets, getattr(self, up_bias)[sorted_ids] if self.has_bias else None,
+                          is_transposed=self.is_transposed)
+    if tail is not None:
+        out = out.masked_fill(tail, 0.0)
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    out = _grouped_linear(out, self.down_proj, offsets, self.down_proj_bias[sorted_ids] if self.has_bias else None,
+                          is_transposed=self.is_transposed)
+    if tail is not None:
+        out = out.masked_fill(tail, 0.0)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    if out.dtype != hidden_states.dtype and hidden_states.dtype == torch.float32:
+        out = out.float()  # half-precision experts beside float32 tokens: merge in float32, as "grouped_mm" does
+    return ops.moe_token_unpermute(out, sorted_indices, top_k_weights).to(hidden_states.dtype)
+
+
+def norm_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
+    """transformers RMSNorm class name -> its gradops subclass, for every known-formula RMSNorm class defined
+    in the modeling modules of ``families`` (imported here)."""
+    import importlib
+
+    out = {}
+    for family in families:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name, cls in vars(module).items():
+            if (isinstance(cls, type) and name.endswith("RMSNorm") and cls.__module__ == module.__name__
+                    and (target := gradops_class(cls)) is not None):
+                out[name] = target
+    return out
+
+
+def register(norms: bool | Iterable[str] = False) -> None:
+    """Register gradops with transformers; idempotent.
+
+    Always: the ``"gradops"`` experts implementation in ``ALL_EXPERTS_FUNCTIONS``, so that
+    ``model.set_experts_implementation("gradops")`` and ``from_pretrained(..., experts_implementation="gradops")``
+    run :func:`experts_forward`.
+
+    Args:
+        norms: also register transformers patch mappings (``transformers.monkey_patching``) from the RMSNorm
+            classes of these model families (True: :data:`NORM_FAMILIES`) to their gradops subclasses, applied
+            by ``from_pretrained`` / ``from_config`` / ``apply_patches()``. A name another library already
+            mapped to a different class raises transformers' ValueError rather than being overwritten.
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts_forward)
+    if not norms:
+        return
+    from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
+
+    mapped = get_patch_mapping()
+    wanted = norm_classes(NORM_FAMILIES if norms is True else norms)
+    register_patch_mapping({k: v for k, v in wanted.items() if mapped.get(k) is not v})
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """A transformers experts module whose forward dispatches on ``config._experts_implementation``."""
+    return (type(module).__module__.startswith("transformers.") and hasattr(module, "_is_expert_parallel")
+            and hasattr(getattr(module, "config", None), "_experts_implementation"))

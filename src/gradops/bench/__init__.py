@@ -6,7 +6,8 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 ``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
 
 ``--sweep`` instead times each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, from 8 x 8
-to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--per-call`` measures what one call of each public function costs
+to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--models`` times whole transformers models, patched against
+unpatched (:mod:`gradops.bench.models`). ``--per-call`` measures what one call of each public function costs
 at 8 x 8 fp32 (direct path, through the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost``
 measures the first-call cost of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and
 with the cache that run filled (cached).
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="time every gradops.nn module against torch.nn (forward + backward) from 8 x 8 to "
                         "4096 x 1024, and exit")
+    parser.add_argument("--models", action="store_true",
+                        help="whole Hugging Face transformers models (Llama, Qwen3-MoE), patched vs unpatched vs "
+                             "transformers' experts backends, forward + backward (needs gradops[transformers])")
     parser.add_argument("--sweep-compile", action="store_true",
                         help="with --sweep: also torch.compile(torch module) (dynamic shapes)")
 
@@ -104,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
     if args.per_call:
         from .per_call import measure as per_call
         return per_call(None if args.no_save else args.results)
+    if args.models:
+        from . import models
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return models.run(device, args.dtype or models.DEFAULT_DTYPES[device.type], args.reps or 15, args.budget,
+                          None if args.no_save else args.results, environment(device))
     if args.sweep:
         from . import sweep
 

@@ -1,0 +1,127 @@
+"""``gradops bench --models``: whole Hugging Face transformers models, forward + backward, patched vs not.
+
+What an LLM / MoE user sees: one training step (forward, loss, backward) of a tiny-but-not-toy transformers model
+built from its config (random weights, nothing downloaded), for
+
+- ``gradops``: the model after ``gradops.patch`` (norms, embedding, and for MoE the "gradops" experts),
+- ``transformers``: the same model unpatched, with transformers' default experts implementation
+  (``grouped_mm``),
+- for MoE models each other experts implementation transformers ships that runs here (``batched_mm``,
+  ``eager``), so that "best transformers" is the fastest of them, measured in the same run.
+
+All providers run interleaved, round after round (:func:`gradops.bench.timing.time_cpu`), from identical weights
+and the same batch. Writes ``models-<device>-<date>.jsonl``. Needs ``pip install 'gradops[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+#: name -> (config class, model class, config). hidden 512, 4 layers; the MoE has 8 experts, top-2.
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 384,
+                   "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                   "num_experts": 8, "num_experts_per_tok": 2}),
+}
+#: (batch, sequence) of the CPU and GPU steps.
+TOKENS = {"cpu": (2, 256), "cuda": (8, 1024)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: dtypes timed unless --dtype says otherwise. Not bf16 on the CPU: torch's bf16 matmuls there run ~20x slower
+#: than fp32 without AMX (a Qwen3-MoE experts block: 1.1 s vs 45 ms at 512 tokens), so the row would time them.
+DEFAULT_DTYPES = {"cpu": ["fp32"], "cuda": ["bf16", "fp32"]}
+#: transformers' experts implementations timed beside the default ("grouped_mm").
+OTHER_EXPERTS = ("batched_mm", "eager")
+
+
+def build(name: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.nn.Module]:
+    """provider -> model, all from one set of random weights."""
+    import transformers
+
+    import gradops
+    from gradops.transformers import is_experts
+
+    config_cls, model_cls, kwargs = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**kwargs, max_position_embeddings=4096)
+    base = getattr(transformers, model_cls)(config).to(device, dtype)
+    ours = copy.deepcopy(base)
+    gradops.patch(ours)
+    models = {"gradops": ours, "transformers": base}
+    if any(is_experts(m) for m in base.modules()):
+        for impl in OTHER_EXPERTS:
+            other = copy.deepcopy(base)
+            other.set_experts_implementation(impl)
+            models[f"transformers {impl}"] = other
+    return models
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
+    params = list(model.parameters())
+
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return run
+
+
+def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, results: Path | None,
+        env: dict) -> int:
+    """Print the whole-model table; write JSONL under ``results`` unless None."""
+    from .timing import time_cpu, time_cuda
+
+    try:
+        import transformers
+    except ImportError:
+        print("gradops bench --models: needs transformers (pip install 'gradops[transformers]')")
+        return 2
+    timer = time_cuda if device.type == "cuda" else time_cpu
+    batch, seq = TOKENS[device.type]
+    head = (f"{'model':<10} {'dtype':<5} {'tokens':>6} {'gradops ms':>10} {'transformers ms':>15} {'ratio':>6} "
+            f"{'best transformers':>26} {'ratio':>6}")
+    print(f"gradops bench --models on {env['device_name']}: torch {env['torch']}, transformers "
+          f"{transformers.__version__}, backend {env['gradops_backend']}; one step (forward, loss, backward), "
+          f"median ms; ratio gradops / transformers (below 1: gradops faster)", flush=True)
+    print(head + "\n" + "-" * len(head), flush=True)
+    rows = []
+    for name in MODELS:
+        for dname in dtypes:
+            models = build(name, DTYPES[dname], device)
+            ids = torch.randint(0, MODELS[name][2]["vocab_size"], (batch, seq),
+                                generator=torch.Generator().manual_seed(1)).to(device)
+            failures: dict[str, str] = {}
+            timings = timer({k: step(m, ids) for k, m in models.items()}, reps, budget_s, failures=failures)
+            for k, why in failures.items():
+                print(f"  ({name} {k}: {why})", flush=True)
+            ms = {k: t.median_ms for k, t in timings.items()}
+            peers = {k: v for k, v in ms.items() if k.startswith("transformers")}
+            best = min(peers, key=peers.__getitem__)
+            base = ms["transformers"]
+            print(f"{name:<10} {dname:<5} {batch * seq:>6} {ms['gradops']:>10.1f} {base:>15.1f} "
+                  f"{ms['gradops'] / base:>6.3f} {f'{peers[best]:.1f} ({best})':>26} "
+                  f"{ms['gradops'] / peers[best]:>6.3f}", flush=True)
+            rows.append({**env, "bench": "models", "model": name, "dtype": dname, "batch": batch, "seq": seq,
+                         "transformers": transformers.__version__,
+                         **{f"{k.replace(' ', '_')}_ms": round(v, 3) for k, v in ms.items()},
+                         "best_transformers": best, "ratio": float(f"{ms['gradops'] / base:.4g}"),
+                         "ratio_best": float(f"{ms['gradops'] / peers[best]:.4g}")})
+            del models
+    if results is not None and rows:
+        path = results / f"models-{device.type}-{datetime.date.today().isoformat()}.jsonl"
+        results.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"\nwrote {path}")
+    return 0
