@@ -241,6 +241,11 @@ def _moe_token_permute(r, dtypes):
     yield Sample("large-k", "K = 512", (r.normal(2, 8), r.ints(0, 64, 2, 512)))
     yield Sample("empty", "no tokens", (r.normal(0, 8), r.ints(0, 4, 0, 2)))
     yield Sample("noncontig", "non-contiguous tokens", (_transposed(r.normal(10, 7)), r.ints(0, 3, 10, 2)))
+    yield Sample("parallel", "CPU: T*K*H above PARALLEL_MIN, the parallel gather",
+                 (r.normal(600, 64), r.ints(0, 16, 600, 2)), {"num_out_tokens": 1100})
+    yield Sample("negative-ids", "negative expert ids sort first", (r.normal(8, 5), r.ints(-3, 3, 8, 2)))
+    yield Sample("wide-span", "ids spanning far more values than copies: CPU's merge-sort path",
+                 (r.normal(6, 5), r.ints(-2**40, 2**40, 6, 3)))
 
 
 def _moe_token_permute_grad(r, dtypes):

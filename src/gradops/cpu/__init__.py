@@ -62,8 +62,10 @@ from .layer_norm import (
     layer_norm_shaped,
 )
 from .moe_permute import (
+    moe_token_permute,
     moe_token_permute_grad,
     moe_token_permute_grad_shaped,
+    moe_token_permute_shaped,
     moe_token_unpermute,
     moe_token_unpermute_grad,
     moe_token_unpermute_grad_shaped,
@@ -75,8 +77,8 @@ __all__ = [
     "cache_dir", "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",
     "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward", "layer_norm_backward_shaped",
     "layer_norm_backward_workspace", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_grad_beta_shaped",
-    "layer_norm_grad_beta_workspace", "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute_grad",
-    "moe_token_permute_grad_shaped", "moe_token_unpermute", "moe_token_unpermute_grad",
-    "moe_token_unpermute_grad_shaped", "moe_token_unpermute_shaped", "rms_norm", "rms_norm_grad",
-    "rms_norm_grad_shaped", "rms_norm_grad_workspace", "rms_norm_shaped",
+    "layer_norm_grad_beta_workspace", "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute",
+    "moe_token_permute_grad", "moe_token_permute_grad_shaped", "moe_token_permute_shaped", "moe_token_unpermute",
+    "moe_token_unpermute_grad", "moe_token_unpermute_grad_shaped", "moe_token_unpermute_shaped", "rms_norm",
+    "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace", "rms_norm_shaped",
 ]

@@ -1,14 +1,17 @@
-"""aclnnMoeTokenPermuteGrad and the unpermute pair as numba kernels: gather-sums of each token's K rows and the
-scatter of their gradients (no zero-fill, no atomics: each output row has one writer).
+"""aclnnMoeTokenPermute, aclnnMoeTokenPermuteGrad and the unpermute pair as numba kernels: the permute's counting
+sort and row gather, gather-sums of each token's K rows and the scatter of their gradients (no zero-fill, no
+atomics: each output row has one writer).
 
-Byte models: permute grad and unpermute ``T·K·H·s_in + T·H·s_out + T·K·s_idx`` (+ ``T·K·s_p`` for probs);
-unpermute grad ``T·H·s_g + A·H·(s_x + s_dx) + T·K·(s_idx + s_p + s_dp)`` (the gradient row of a token is read
-once per pass over its K copies, from cache).
+Byte models: permute ``T·K·H·s + T·K·(s_idx + 4)`` (a token's row is read once per copy, from cache); permute
+grad and unpermute ``T·K·H·s_in + T·H·s_out + T·K·s_idx`` (+ ``T·K·s_p`` for probs); unpermute grad
+``T·H·s_g + A·H·(s_x + s_dx) + T·K·(s_idx + s_p + s_dp)`` (the gradient row of a token is read once per pass over
+its K copies, from cache).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 from torch import Tensor
 
@@ -19,6 +22,8 @@ from ._views import STORAGE, view1, view2
 
 #: Tokens per parallel task (fixed, so the work split never depends on the thread count).
 _TOKENS = 16
+#: Token copies per parallel task of the permute's gather.
+_COPIES = 32
 
 
 @njit(cache=True)
@@ -57,6 +62,113 @@ def _sum1(grad, rows, k, acc, first):  # pragma: no cover - compiled
     else:
         for j in range(acc.shape[0]):
             acc[j] = acc[j] + ld(grad, (r, j))
+
+
+@njit(cache=True)
+def _destinations(ids, inverse):  # pragma: no cover - compiled
+    """CANN's sorted_indices: ``inverse[i]`` = the rank of copy ``i`` in the stable order of the expert ids (the
+    destination row of token ``i // K``'s copy ``i % K``). A counting sort when the ids span at most
+    ``2·n + 4096`` values (every router: ids in [0, E)), else a stable merge argsort; both give argsort(stable)'s
+    ranks exactly. Serial: T·K·(s_idx + 4) bytes, small beside the gather's T·K·H·s."""
+    n = ids.shape[0]
+    lo = ids[0]
+    hi = ids[0]
+    for i in range(1, n):
+        v = ids[i]
+        if v < lo:
+            lo = v
+        elif v > hi:
+            hi = v
+    # The span in float64 first: hi - lo of arbitrary int64 ids could overflow.
+    if np.float64(hi) - np.float64(lo) < 2.0 * n + 4096.0:
+        span = np.int64(hi) - np.int64(lo) + 1
+        starts = np.zeros(span, dtype=np.int64)
+        for i in range(n):
+            starts[np.int64(ids[i]) - lo] += 1
+        total = np.int64(0)
+        for v in range(span):
+            c = starts[v]
+            starts[v] = total
+            total += c
+        for i in range(n):
+            v = np.int64(ids[i]) - lo
+            inverse[i] = starts[v]
+            starts[v] += 1
+    else:
+        first = np.argsort(ids, kind="mergesort")
+        for j in range(n):
+            inverse[first[j]] = j
+
+
+@njit(cache=True)
+def _gather_chunk(tokens, inverse, topk, rows, out, c):  # pragma: no cover - compiled
+    """Copies ``[c·_COPIES, (c+1)·_COPIES)``: ``out[inverse[i]] = tokens[i // K]`` for the kept rows (< rows), as
+    raw storage (no conversion: the bits move). Each output row has exactly one writer."""
+    h = tokens.shape[1]
+    for i in range(c * _COPIES, min(inverse.shape[0], (c + 1) * _COPIES)):
+        d = inverse[i]
+        if d < rows:
+            t = i // topk
+            for j in range(h):
+                out[d, j] = tokens[t, j]
+
+
+@njit(parallel=True, cache=True)
+def _gather_parallel(tokens, inverse, topk, rows, out):  # pragma: no cover - compiled
+    for c in prange((inverse.shape[0] + _COPIES - 1) // _COPIES):
+        _gather_chunk(tokens, inverse, topk, rows, out, c)
+
+
+@njit(cache=True)
+def _permute_entry(tok_at, dtype, t_count, h, idx_at, idx_dtype, total, topk, rows, out_at,
+                   inv_at):  # pragma: no cover - compiled
+    """MoeTokenPermute by address (see :mod:`gradops.cpu._views`): destinations, then the gather of the kept
+    rows, serially below :data:`PARALLEL_MIN` copied items."""
+    if total == 0:
+        return
+    inverse = view1(inv_at, np.int32, total)
+    _destinations(view1(idx_at, idx_dtype, total), inverse)
+    if rows == 0 or h == 0:
+        return
+    tokens, out = view2(tok_at, dtype, t_count, h), view2(out_at, dtype, rows, h)
+    if rows * h < PARALLEL_MIN:
+        for c in range((total + _COPIES - 1) // _COPIES):
+            _gather_chunk(tokens, inverse, topk, rows, out, c)
+    else:
+        _gather_parallel(tokens, inverse, topk, rows, out)
+
+
+@safe_entry
+def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
+                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenPermute: ``tokens (T, H)``, expert ids ``indices (T, K)`` or ``(T,)`` -> ``(permuted (num_rows,
+    H), sorted_indices (T·K,) int32)`` with ``permuted[sorted_indices[i]] = tokens[i // K]`` for the kept rows
+    (sorted_indices = the ranks of the stable sort of the flattened ids, CANN's convention).
+
+    Args:
+        tokens: (T, H) float32/float16/bfloat16.
+        indices: int32 / int64 ids, any values (a counting sort over their span, a merge sort when it is wide).
+        num_rows: the first rows of the permuted order to keep (<= T·K).
+        out: optional preallocated ``(permuted, sorted_indices)``.
+    """
+    t_count, h = tokens.shape
+    total = indices.numel()
+    k = indices.shape[1] if indices.dim() == 2 else 1
+    permuted = output(None if out is None else out[0], (num_rows, h), tokens.dtype)
+    inverse = output(None if out is None else out[1], (total,), torch.int32)
+    x, idx = dense(tokens), dense(indices)
+    _permute_entry(x.data_ptr(), STORAGE[x.dtype], t_count, h, idx.data_ptr(), STORAGE[idx.dtype], total, k,
+                   num_rows, permuted.data_ptr(), inverse.data_ptr())
+    if out is None:
+        return permuted, inverse
+    return finish(permuted, out[0]), finish(inverse, out[1])
+
+
+@safe_entry
+def moe_token_permute_shaped(plan: MoePlan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+                             padded_mode: bool = False) -> tuple[Tensor, Tensor]:
+    """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
+    return moe_token_permute(tokens, indices, plan.rows)
 
 
 @njit(cache=True)
