@@ -112,3 +112,32 @@ def test_sweep_with_compile_adds_the_compiled_twin(tmp_path, capsys, monkeypatch
     assert main(["bench", "--sweep", "--sweep-compile", "--dtype", "fp32", "--budget", "0.01", "--no-save"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Hardswish"))
     assert len(line.split()) == 8  # module, size, dtype, gradops, torch, ratio, compile, ratio
+
+
+def test_models_times_patched_against_transformers_and_its_experts_backends(tmp_path, capsys, monkeypatch):
+    """--models on tiny configs: a row per model, every transformers experts backend for the MoE, a backend over
+    SLOW x the fastest kept out of the rounds with its probe step, and ratios that divide the medians."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    models = importlib.import_module("gradops.bench.models")
+    tiny = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    monkeypatch.setattr(models, "MODELS", {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", tiny),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      {**tiny, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2})})
+    monkeypatch.setattr(models, "TOKENS", {"cpu": (2, 8)})
+    monkeypatch.setattr(models, "SLOW", 1.0)  # every backend slower than the fastest is probed only
+    assert main(["bench", "--models", "--reps", "3", "--budget", "0.01", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\nllama " in out and "\nqwen3_moe " in out
+    (path,) = tmp_path.glob("models-cpu-*.jsonl")
+    rows = {r["model"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert set(rows) == {"llama", "qwen3_moe"}
+    assert {"transformers_batched_mm_ms", "transformers_eager_ms"} <= set(rows["qwen3_moe"])
+    assert "transformers_eager_ms" not in rows["llama"]  # a dense model has no experts backends
+    for r in rows.values():
+        assert r["ratio"] == pytest.approx(r["gradops_ms"] / r["transformers_ms"], rel=1e-3)
+        best = r[f"{r['best_transformers'].replace(' ', '_')}_ms"]
+        assert best == min(v for k, v in r.items() if k.startswith("transformers") and k.endswith("_ms"))

@@ -6,7 +6,7 @@ class, so the module object itself stays: its parameters and buffers (hence opti
 dtype), hyper-parameters (eps, padding_idx, ...), training flag and hooks are all kept, and a module shared by
 two parents is swapped once. Subclasses of the torch classes (a model's own ``MyNorm(nn.LayerNorm)``) are left
 alone and reported, since their forward may differ. Hugging Face transformers' RMSNorm classes (their own
-classes, not ``torch.nn.RMSNorm``) are swapped when their forward is the Llama or the Gemma formula
+classes, not ``torch.nn.RMSNorm``) are swapped when their code is the Llama, Gemma or GPT-OSS formula
 (:mod:`gradops.transformers`), and reported otherwise; their MoE experts modules are switched to the "gradops"
 experts implementation (a config setting, not a class swap: transformers dispatches on it).
 """
@@ -55,8 +55,8 @@ def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchRe
     cls = type(module)
     target = hf.gradops_class(cls)
     if target is None:
-        report.skipped.append((where, cls.__name__, "a transformers RMSNorm whose forward is neither the Llama nor "
-                                                    "the Gemma formula: left alone, not guessed"))
+        report.skipped.append((where, cls.__name__, "a transformers RMSNorm whose code is not the Llama, Gemma or "
+                                                    "GPT-OSS formula: left alone, not guessed"))
         return
     module.__class__ = target
     report.swapped.append((where, cls.__name__, hf.describe(module)))

@@ -100,7 +100,10 @@ def _templates() -> dict[str, str]:
 
     out = {}
     for cls, style in ((LlamaRMSNorm, "llama"), (GemmaRMSNorm, "gemma"), (GptOssRMSNorm, "gpt_oss")):
-        key = _fingerprint(cls)
+        # Inside transformers' apply_patches() the module attribute may be a replacement class (gradops' own or
+        # another library's): the formula is that of the transformers class it derives from.
+        origin = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.")), None)
+        key = None if origin is None else _fingerprint(origin)
         if key is not None:
             out[key] = style
     return out
@@ -139,7 +142,7 @@ _EPS_ATTR = {"llama": "variance_epsilon", "gemma": "eps", "gpt_oss": "variance_e
 @functools.cache
 def gradops_class(cls: type) -> type | None:
     """The in-place replacement of transformers RMSNorm class ``cls`` (a subclass whose forward runs
-    :func:`gradops.rms_norm`), or None when its forward is neither known formula."""
+    :func:`gradops.rms_norm`), or None when its code is none of the known formulas."""
     style = rms_norm_style(cls)
     if style is None:
         return None

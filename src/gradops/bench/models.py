@@ -41,6 +41,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DTYPES = {"cpu": ["fp32"], "cuda": ["bf16", "fp32"]}
 #: transformers' experts implementations timed beside the default ("grouped_mm").
 OTHER_EXPERTS = ("batched_mm", "eager")
+#: A provider whose probe step takes more than this many times the fastest one's is not timed in rounds.
+SLOW = 5
 
 
 def build(name: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.nn.Module]:
@@ -63,6 +65,28 @@ def build(name: str, dtype: torch.dtype, device: torch.device) -> dict[str, torc
             other.set_experts_implementation(impl)
             models[f"transformers {impl}"] = other
     return models
+
+
+def _probe(steps: dict[str, Callable[[], None]], device: torch.device, failures: dict[str, str]) -> dict[str, float]:
+    """One warm-up and one timed step of each provider, ms; a peer that fails goes to ``failures``."""
+    import time
+
+    out = {}
+    for k, fn in steps.items():
+        try:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out[k] = (time.perf_counter() - start) * 1e3
+        except Exception as err:
+            if k == "gradops":
+                raise
+            failures[k] = f"{type(err).__name__}: {err}"[:300]
+    return out
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
@@ -101,10 +125,19 @@ def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, res
             ids = torch.randint(0, MODELS[name][2]["vocab_size"], (batch, seq),
                                 generator=torch.Generator().manual_seed(1)).to(device)
             failures: dict[str, str] = {}
-            timings = timer({k: step(m, ids) for k, m in models.items()}, reps, budget_s, failures=failures)
+            steps = {k: step(m, ids) for k, m in models.items()}
+            probe = _probe(steps, device, failures)
+            # A backend many times slower than the fastest (batched_mm on the CPU: 36 s a step, it gathers every
+            # copy's expert weight matrices) would eat the rounds of the others: its one probe step stands.
+            slow = {k: v for k, v in probe.items() if v > SLOW * min(probe.values())}
+            timings = timer({k: f for k, f in steps.items() if k in probe and k not in slow}, reps, budget_s,
+                            failures=failures)
             for k, why in failures.items():
                 print(f"  ({name} {k}: {why})", flush=True)
-            ms = {k: t.median_ms for k, t in timings.items()}
+            ms = {**{k: t.median_ms for k, t in timings.items()}, **slow}
+            for k in slow:
+                print(f"  ({name} {k}: {slow[k]:.0f} ms in one step, over {SLOW}x the fastest: not in the rounds)",
+                      flush=True)
             peers = {k: v for k, v in ms.items() if k.startswith("transformers")}
             best = min(peers, key=peers.__getitem__)
             base = ms["transformers"]
