@@ -1,4 +1,5 @@
-"""``gradops`` command line: ``check``, ``bench``, ``demo``, ``env`` (also ``python -m gradops ...``).
+"""``gradops`` command line: ``check``, ``bench``, ``demo``, ``env``, ``golden``, ``verify`` (also ``python -m
+gradops ...``).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them, and imports a module when its subcommand runs (``demo`` and ``bench`` pull in more than
@@ -16,6 +17,8 @@ COMMANDS = {
     "bench": ("gradops.bench", "time every op against PyTorch eager, torch.compile and Liger-Kernel"),
     "demo": ("gradops.demo", "train a small MoE language model with gradops beside a plain-PyTorch twin"),
     "env": ("gradops.env", "versions, devices, and which backend each op would use"),
+    "golden": ("gradops.golden", "write a test case (inputs, float64 goldens, third party, manifest) for one op"),
+    "verify": ("gradops.golden.verify", "judge a kernel's output files by CANN's precision standards"),
 }
 
 

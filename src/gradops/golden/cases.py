@@ -1,0 +1,240 @@
+"""One test case per operator: seeded inputs with the edge values CANN's contracts single out, the golden outputs
+(:mod:`gradops.reference` in float64, rounded once to each output's dtype) and a third-party output.
+
+Shapes: ``--shape`` is the activation ``R0xR1x...xH`` (norms normalise the last dimension; embedding: the
+token-gradient shape ``...xD``; MoE: ``TxH``). Edge mixes (a fixed share of the elements, seeded):
+
+- hardswish: exact -3, +3 (CANN's closed interval), 0, and values beyond +-3;
+- embedding: a padding row (``padding_idx``, signed; out of table means none) and repeated indices;
+- MoE: routers with duplicate experts (ties keep token order); sorted_indices from a real permute;
+- rms_norm_grad: rstd in both accepted forms (``--rstd-form keepdim`` (R, 1), or ``flat`` (R,)).
+
+The third party is PyTorch where it computes the same output by CANN's definition (``F.rms_norm``'s and
+``F.layer_norm``'s y, ``F.hardswish``), else gradops' own kernel on ``device``; the manifest names it per output.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from ..registry import NAMES
+
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SHAPE = re.compile(r"^[0-9]+(x[0-9]+)*$")
+
+
+class CaseError(ValueError):
+    """A bad request for a case (unknown op, bad shape string, option out of range): one line saying why."""
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"64x128"`` -> (64, 128)."""
+    if not _SHAPE.match(text.strip()):
+        raise CaseError(f"--shape {text!r}: expected sizes joined by 'x', e.g. 64x128")
+    return tuple(int(v) for v in text.strip().split("x"))
+
+
+@dataclass
+class Case:
+    """A generated case: named inputs (in call order), CANN attributes, outputs and their goldens."""
+    op: str
+    inputs: dict[str, object]        # tensors and attribute values, in the public function's order
+    outputs: dict[str, torch.Tensor]  # golden, in each output's dtype
+    third: dict[str, torch.Tensor]
+    third_source: dict[str, str]
+    attributes: dict[str, object]
+
+
+def _names(op: str) -> tuple[str, ...]:
+    return {
+        "rms_norm": ("y", "rstd"), "rms_norm_grad": ("dx", "dgamma"), "layer_norm": ("y", "mean", "variance"),
+        "layer_norm_grad": ("pd_x", "res_for_gamma"), "layer_norm_grad_beta": ("pd_gamma", "pd_beta"),
+        "layer_norm_backward": ("dx", "dgamma", "dbeta"), "hardswish": ("out",), "hardswish_backward": ("out",),
+        "embedding_dense_backward": ("out",), "moe_token_permute": ("permuted_tokens", "sorted_indices"),
+        "moe_token_permute_grad": ("out",), "moe_token_unpermute": ("out",),
+        "moe_token_unpermute_grad": ("grad_permuted_tokens", "grad_probs"),
+    }[op]
+
+
+def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, opts: dict) -> dict:
+    def normal(*s, scale=1.0):
+        return (torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    def f32_or(d):
+        return torch.float32 if opts.get("stat_dtype", "float32") == "float32" else d
+
+    h = shape[-1]
+    rows = math.prod(shape[:-1])
+    if op in ("rms_norm", "rms_norm_grad"):
+        x, gamma = normal(*shape), normal(h)
+        if op == "rms_norm":
+            return {"x": x, "gamma": gamma, "epsilon": float(opts.get("epsilon", 1e-6))}
+        rstd = torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6).float()
+        if opts.get("rstd_form", "keepdim") == "flat":
+            rstd = rstd.reshape(shape[:-1])
+        return {"dy": normal(*shape), "x": x, "rstd": rstd, "gamma": gamma}
+    if op.startswith("layer_norm"):
+        x, gamma, beta, dy = normal(*shape, scale=2.0), normal(h), normal(h), normal(*shape)
+        eps = float(opts.get("epsilon", 1e-5))
+        x64 = x.double()
+        mean, var = x64.mean(-1), x64.var(-1, unbiased=False)
+        if op == "layer_norm":
+            return {"x": x, "gamma": gamma, "beta": beta, "epsilon": eps}
+        if op == "layer_norm_grad":
+            return {"dy": dy, "x": x, "variance": var.to(f32_or(dtype)), "mean": mean.to(f32_or(dtype)),
+                    "gamma": gamma, "epsilon": eps}
+        if op == "layer_norm_backward":
+            return {"dy": dy, "x": x, "mean": mean.float(), "rstd": torch.rsqrt(var + eps).float(), "gamma": gamma}
+        res = ((x64 - mean[..., None]) * torch.rsqrt(var[..., None] + eps)).to(dtype)
+        return {"res_for_gamma": res, "dy": dy}
+    if op in ("hardswish", "hardswish_backward"):
+        x = torch.rand(shape, generator=g, dtype=torch.float64) * 12 - 6
+        flat = x.view(-1)
+        picks = torch.randint(0, flat.numel(), (max(1, flat.numel() // 16),), generator=g) if flat.numel() else None
+        if picks is not None:  # a sixteenth of the elements on CANN's edges: -3, +3, 0
+            flat[picks] = torch.tensor([-3.0, 3.0, 0.0], dtype=torch.float64)[torch.arange(picks.numel()) % 3]
+        x = x.to(dtype)
+        return {"self": x} if op == "hardswish" else {"grad_output": normal(*shape), "self": x}
+    if op == "embedding_dense_backward":
+        tokens = rows
+        vocab = int(opts.get("num_weights") or max(2, tokens // 2))  # fewer rows than tokens: repeats
+        if vocab < 1:
+            raise CaseError(f"{op}: --num-weights must be >= 1, got {vocab}")
+        padding = int(opts.get("padding_idx", 1 if vocab > 1 else -1))
+        idx = torch.randint(0, vocab, shape[:-1], generator=g)
+        if idx.numel() and 0 <= padding < vocab:
+            idx.view(-1)[:: 7] = padding  # padding rows in the mix
+        return {"grad": normal(*shape), "indices": idx.to(_INDEX[opts.get("index_dtype", "int64")]),
+                "num_weights": vocab, "padding_idx": padding,
+                "scale_grad_by_freq": bool(opts.get("scale_grad_by_freq", False))}
+    if len(shape) != 2:
+        raise CaseError(f"{op}: --shape must be TxH (tokens x hidden), got {'x'.join(map(str, shape))}")
+    t, h = shape
+    k = int(opts.get("topk", 2))
+    experts = int(opts.get("experts", 8))
+    if not 1 <= k <= 512 or experts < 1:
+        raise CaseError(f"{op}: --topk must be in [1, 512] and --experts >= 1, got {k} and {experts}")
+    ids = torch.randint(0, experts, (t, k), generator=g)
+    if t > 1:
+        ids[1::5, :] = ids[1::5, :1]  # duplicate experts within a token: ties keep token order
+    if op == "moe_token_permute":
+        return {"tokens": normal(t, h), "indices": ids.to(_INDEX[opts.get("index_dtype", "int64")]),
+                "num_out_tokens": int(opts.get("num_out_tokens", 0))}
+    sorted_indices = reference.moe_token_permute(torch.zeros(t, 0), ids, 0)[1]
+    if op == "moe_token_permute_grad":
+        return {"permuted_output_grad": normal(t * k, h), "sorted_indices": sorted_indices, "num_topk": k}
+    probs = torch.softmax(torch.randn(t, k, generator=g, dtype=torch.float64), -1).to(dtype)
+    if op == "moe_token_unpermute":
+        return {"permuted_tokens": normal(t * k, h), "sorted_indices": sorted_indices, "probs": probs}
+    return {"permuted_tokens": normal(t * k, h), "grad_unpermuted": normal(t, h), "sorted_indices": sorted_indices,
+            "probs": probs}
+
+
+_INDEX = {"int64": torch.int64, "int32": torch.int32}
+
+
+def _f64(v: object) -> object:
+    return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+
+def _golden(op: str, args: list, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The reference in float64 on float64 inputs, each output rounded once to ``like``'s dtype and shape."""
+    ref_args = [_f64(a) for a in args]
+    if (not op.startswith("moe") and args[0].dim() > 2) or any(isinstance(a, torch.Tensor) and a.dim() == 2
+                                                               and a.shape[-1] == 1 for a in args):
+        # The reference works on CANN's 2-D view: activations (rows, H), statistics (rows,), gamma (H,).
+        h = args[0].shape[-1]
+        rows = args[0].numel() // max(h, 1)
+        ref_args = [a.reshape(rows, h) if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.numel() == rows * h
+                    and a.shape[-1] == h else a.reshape(rows) if isinstance(a, torch.Tensor) and a.dim() >= 1
+                    and a.numel() == rows and a.shape[-1] != h else a for a in ref_args]
+        if op == "embedding_dense_backward":
+            ref_args[1] = args[1].reshape(-1)
+    if op == "moe_token_permute":
+        t, k = args[1].shape[0], args[1].shape[1] if args[1].dim() == 2 else 1
+        ref_args = [ref_args[0], ref_args[1], like[0].shape[0] if t * k else 0]
+    out = getattr(reference, op)(*ref_args, compute=torch.float64) if op != "moe_token_permute" else \
+        getattr(reference, op)(*ref_args)
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(o.reshape(ref.shape).to(ref.dtype) for o, ref in zip(out, like))
+
+
+def _torch_peer(op: str, args: list) -> dict[int, tuple[torch.Tensor, str]]:
+    """PyTorch's output where it computes CANN's definition: output position -> (tensor, source)."""
+    if op == "rms_norm":
+        x, gamma, eps = args
+        return {0: (F.rms_norm(x, gamma.shape, gamma, eps), "torch.nn.functional.rms_norm")}
+    if op == "layer_norm":
+        x, gamma, beta, eps = args
+        return {0: (F.layer_norm(x, gamma.shape, gamma, beta, eps), "torch.nn.functional.layer_norm")}
+    if op == "hardswish":
+        return {0: (F.hardswish(args[0]), "torch.nn.functional.hardswish")}
+    return {}
+
+
+def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: int = 0, device: str = "cpu",
+         **opts: object) -> Case:
+    """Generate the case: inputs, goldens and third-party outputs (see the module docstring).
+
+    Args:
+        op: an operator of :data:`gradops.registry.NAMES`.
+        shape: ``"64x128"`` or a tuple; its meaning per op in the module docstring.
+        dtype: float32 / float16 / bfloat16 (the activations' dtype).
+        seed: the generator's seed: the same arguments give the same files.
+        device: where the third-party kernel runs.
+        opts: op options (epsilon, rstd_form, stat_dtype, num_weights, padding_idx, scale_grad_by_freq,
+            index_dtype, topk, experts, num_out_tokens).
+
+    Raises:
+        CaseError: unknown op or dtype, bad shape, option out of range.
+    """
+    import gradops
+
+    if op not in NAMES:
+        raise CaseError(f"unknown op {op!r}; one of: {', '.join(NAMES)}")
+    if dtype not in FLOATS:
+        raise CaseError(f"--dtype {dtype!r}: one of {', '.join(FLOATS)}")
+    dims = parse_shape(shape) if isinstance(shape, str) else tuple(shape)
+    if not dims or any(d < 0 for d in dims):
+        raise CaseError(f"--shape {shape!r}: at least one non-negative size")
+    g = torch.Generator().manual_seed(seed)
+    inputs = _inputs(op, dims, FLOATS[dtype], g, {k: v for k, v in opts.items() if v is not None})
+    args = list(inputs.values())
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CaseError(f"--device {device}: no CUDA device here")
+    try:
+        ours = getattr(gradops, op)(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args])
+    except gradops.OpError as err:
+        raise CaseError(f"{op}: {err}") from None
+    ours = tuple(o.cpu() for o in (ours if isinstance(ours, tuple) else (ours,)))
+    golden = _golden(op, args, ours)
+    names = _names(op)
+    third, source = {}, {}
+    peers = _torch_peer(op, [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args])
+    for i, name in enumerate(names):
+        if i in peers:
+            third[name], source[name] = peers[i][0].cpu(), peers[i][1]
+        else:
+            third[name], source[name] = ours[i], f"gradops.{op} ({device}, backend "  \
+                f"{gradops.backend.choose(op, dev).name})"
+    attributes = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    return Case(op, inputs, dict(zip(names, golden)), third, source, attributes)
+
+
+#: The options each op reads, for the CLI's help and checks.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("epsilon",), "rms_norm_grad": ("rstd_form",), "layer_norm": ("epsilon",),
+    "layer_norm_grad": ("epsilon", "stat_dtype"), "layer_norm_grad_beta": ("epsilon",),
+    "layer_norm_backward": ("epsilon",), "hardswish": (), "hardswish_backward": (),
+    "embedding_dense_backward": ("num_weights", "padding_idx", "scale_grad_by_freq", "index_dtype"),
+    "moe_token_permute": ("topk", "experts", "num_out_tokens", "index_dtype"),
+    "moe_token_permute_grad": ("topk", "experts"), "moe_token_unpermute": ("topk", "experts"),
+    "moe_token_unpermute_grad": ("topk", "experts"),
+}

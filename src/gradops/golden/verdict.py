@@ -1,0 +1,183 @@
+"""CANN's precision verdicts on one output: the single-benchmark standard ("Threshold") and the dual-benchmark
+standard ("Ratio").
+
+Per element, in float64: ``rel = |actual - golden| / (|golden| + 1e-7)``. Per output:
+
+- MARE = max rel, MERE = mean rel, RMSE = sqrt(mean((actual - golden)^2));
+- Threshold (community operators): pass when ``MERE < T`` and ``MARE < 10·T``, ``T`` = 2^-10 (float16),
+  2^-7 (bfloat16), 2^-13 (float32);
+- Ratio (commercial operators): the kernel's MARE, MERE and RMSE divided by a third-party implementation's
+  against the same golden; level L2 when the ratios are <= (2, 1.2, 1.2), else L1 at (5, 1.5, 1.5), else L0 at
+  (10, 2, 2), else none; and, in the small-value range (|golden| below a per-dtype threshold), the count of
+  elements off by more than a per-dtype error may be at most twice the third party's (at least 1). The standard
+  gives no floor for a third-party error of 0: a kernel error of 0 then has ratio 1, any other is infinite. CANN's
+  campaign also asks for a number of cases per level (L0 >= 5,000, L1 >= 10,000, L2 >= 30,000) and re-runs; one
+  call judges one case.
+
+Sources: hicann/cannbot-skills ``ops/ops-precision-standard/reference/golden/OPS_PRECISION_STANDARDS.md``
+(Threshold: formula, 1e-7, T per dtype, strict ``<``) and ``COMMERCIAL_OPS_PRECISION_DOCS.md`` (Ratio levels,
+§4.5.3 small values, §5.3.3 inf/nan, §4.2-4.4 integer outputs bitwise).
+
+Non-finite values match only themselves: NaN where the golden has NaN, the same infinity where it has one; any
+other disagreement makes that element's error infinite (so MARE is infinite and both standards fail). Integer
+outputs (MoE sorted_indices) are judged exactly: any differing element fails.
+
+The statistics run over chunks of :data:`CHUNK` elements, so a case of millions of elements costs its files once
+plus a few chunk-sized temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+EPS = 1e-7
+#: Threshold standard: T per output dtype; pass when MERE < T and MARE < 10·T.
+THRESHOLD = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -13}
+#: Ratio standard: (MARE, MERE, RMSE) ratio limits per level, strictest first.
+RATIO_LEVELS = (("L2", (2.0, 1.2, 1.2)), ("L1", (5.0, 1.5, 1.5)), ("L0", (10.0, 2.0, 2.0)))
+#: Ratio standard's small-value range: dtype -> (|golden| threshold, allowed absolute error).
+SMALL_VALUES = {torch.float16: (2.0 ** -11, 2.0 ** -16), torch.bfloat16: (2.0 ** -8, 2.0 ** -16),
+                torch.float32: (2.0 ** -14, 2.0 ** -30)}
+#: Ratio standard: the kernel's small-value error count may be at most this times the third party's (>= 1).
+SMALL_RATIO = 2.0
+CHUNK = 1 << 22
+#: Worst elements reported per output.
+WORST = 5
+
+
+@dataclass
+class Errors:
+    """The three statistics of one output against its golden."""
+    mare: float
+    mere: float
+    rmse: float
+    small_errors: int = 0  # elements with |golden| < the small-value threshold off by more than its error
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        """(MARE, MERE, RMSE)."""
+        return (self.mare, self.mere, self.rmse)
+
+
+@dataclass
+class Verdict:
+    """The judgement of one output. ``ratios`` and ``level`` are None without a third-party output."""
+    name: str
+    dtype: str
+    numel: int
+    errors: Errors
+    threshold: float | None
+    threshold_pass: bool
+    third: Errors | None = None
+    ratios: tuple[float, float, float] | None = None
+    level: str | None = None
+    small_ratio: float | None = None
+    worst: list[dict] = field(default_factory=list)
+    exact: bool = False  # an integer output, judged element by element
+
+    @property
+    def passed(self) -> bool:
+        """The Threshold standard, and the Ratio standard at L0 or better when a third party was given."""
+        if self.ratios is None:
+            return self.threshold_pass
+        return self.threshold_pass and self.level is not None and (self.small_ratio or 0.0) <= SMALL_RATIO
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["passed"] = self.passed
+        return out
+
+
+def _rel(actual: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element relative and absolute error (float64), non-finite values matched exactly."""
+    a, g = actual.double(), golden.double()
+    diff = (a - g).abs()
+    same = (a == g) | (torch.isnan(a) & torch.isnan(g))  # equal infinities, both NaN
+    finite = torch.isfinite(a) & torch.isfinite(g)
+    diff = torch.where(same, 0.0, torch.where(finite, diff, math.inf))
+    return diff / (g.abs().nan_to_num(0.0, 0.0, 0.0) + EPS), diff
+
+
+def errors(actual: torch.Tensor, golden: torch.Tensor, worst: int = 0) -> tuple[Errors, list[dict]]:
+    """MARE, MERE and RMSE of ``actual`` against ``golden`` (same shape), and the ``worst`` elements by relative
+    error (index, actual, golden, relative error), computed chunk by chunk."""
+    if actual.shape != golden.shape:
+        raise ValueError(f"shape {list(actual.shape)} against the golden's {list(golden.shape)}")
+    a, g = actual.reshape(-1), golden.reshape(-1)
+    n = a.numel()
+    if n == 0:
+        return Errors(0.0, 0.0, 0.0), []
+    mare, rel_sum, sq_sum, small = 0.0, 0.0, 0.0, 0
+    limit, allowed = SMALL_VALUES.get(golden.dtype, (0.0, 0.0))
+    top: list[tuple[float, int]] = []
+    for start in range(0, n, CHUNK):
+        gc = g[start:start + CHUNK]
+        rel, diff = _rel(a[start:start + CHUNK], gc)
+        mare = max(mare, float(rel.max()))
+        rel_sum += float(rel.sum())
+        sq_sum += float(diff.square().sum())
+        small += int(((gc.double().abs() < limit) & (diff > allowed)).sum())
+        if worst:
+            k = min(worst, rel.numel())
+            values, idx = torch.topk(rel, k)
+            top = sorted(top + [(float(v), start + int(i)) for v, i in zip(values, idx)], reverse=True)[:worst]
+    rows = [{"index": list(_unravel(i, actual.shape)), "actual": float(a[i]), "golden": float(g[i]), "rel": r}
+            for r, i in top]
+    return Errors(mare, rel_sum / n, math.sqrt(sq_sum / n), small), rows
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size if size else 0)
+        flat //= max(size, 1)
+    return tuple(reversed(out))
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    if theirs > 0:
+        return ours / theirs
+    return 1.0 if ours == 0 else math.inf
+
+
+def level(ratios: tuple[float, float, float]) -> str | None:
+    """The strictest Ratio level the three ratios (MARE, MERE, RMSE) meet, or None."""
+    for name, limits in RATIO_LEVELS:
+        if all(r <= lim for r, lim in zip(ratios, limits)):
+            return name
+    return None
+
+
+def judge(name: str, actual: torch.Tensor, golden: torch.Tensor, third: torch.Tensor | None = None,
+          worst: int = WORST) -> Verdict:
+    """Judge one output of a kernel against its golden (and a third-party output for the Ratio standard).
+
+    Args:
+        name: the output's name (reports only).
+        actual: the kernel's output, golden's shape and dtype.
+        golden: the float64 result rounded once to the output dtype.
+        third: the same output from another implementation (PyTorch, a GPU), or None.
+        worst: how many worst elements to list.
+    """
+    if actual.dtype != golden.dtype:
+        raise ValueError(f"{name}: dtype {actual.dtype} against the golden's {golden.dtype}")
+    dtype = str(golden.dtype).removeprefix("torch.")
+    if not golden.is_floating_point():
+        differ = int((actual != golden).sum())
+        errs = Errors(float(differ > 0), differ / max(golden.numel(), 1), 0.0)
+        bad = (actual != golden).reshape(-1).nonzero()[:worst, 0].tolist()
+        rows = [{"index": list(_unravel(i, golden.shape)), "actual": int(actual.reshape(-1)[i]),
+                 "golden": int(golden.reshape(-1)[i]), "rel": math.inf} for i in bad]
+        return Verdict(name, dtype, golden.numel(), errs, 0.0, differ == 0, worst=rows, exact=True)
+    errs, rows = errors(actual, golden, worst)
+    t = THRESHOLD.get(golden.dtype)
+    passed = t is not None and errs.mere < t and errs.mare < 10 * t
+    verdict = Verdict(name, dtype, golden.numel(), errs, t, passed, worst=rows)
+    if third is not None:
+        verdict.third = errors(third.to(golden.dtype), golden)[0]
+        verdict.ratios = tuple(_ratio(o, r) for o, r in zip(errs.as_tuple(), verdict.third.as_tuple()))
+        verdict.level = level(verdict.ratios)
+        verdict.small_ratio = errs.small_errors / max(verdict.third.small_errors, 1)
+    return verdict

@@ -1,0 +1,105 @@
+"""``gradops verify DIR ACTUAL...``: judge a kernel's output files against a case written by ``gradops golden``.
+
+ACTUAL files come in the order of the manifest's outputs (``.bin``: raw little-endian in the output's dtype,
+bfloat16 as its bits; or ``.npy``); each is checked for size / dtype / shape before anything is compared. Per
+output it prints MARE / MERE / RMSE, the Threshold verdict, the ratios to the case's third party and the level
+they reach (Ratio standard), and the worst elements; the exit status is 0 when every output passes, 1 otherwise,
+2 for unusable arguments. ``--json`` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from .files import CaseFileError, read, read_manifest
+from .verdict import Verdict, judge
+
+#: Worst elements printed for an output that passed (all of them, up to verdict.WORST, for one that failed).
+WORST_SHOWN = 3
+
+
+def verify(directory: str | Path, actual: list[str | Path], *, ratio: bool = True) -> list[Verdict]:
+    """Judge ``actual`` (one file per output, in the manifest's order) against the case in ``directory``.
+
+    Args:
+        directory: a case directory (``manifest.json`` and its files).
+        actual: the kernel's output files.
+        ratio: also apply the Ratio standard against the case's third-party outputs.
+
+    Raises:
+        CaseFileError: a missing or malformed manifest or file, a count / size / dtype / shape mismatch.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    outputs = manifest["outputs"]
+    if len(actual) != len(outputs):
+        names = ", ".join(o["name"] for o in outputs)
+        raise CaseFileError(f"{manifest['op']} has {len(outputs)} output(s) ({names}); got {len(actual)} file(s)")
+    verdicts = []
+    for entry, path in zip(outputs, actual):
+        golden = read(directory / entry["golden"], entry["dtype"], entry["shape"])
+        got = read(Path(path), entry["dtype"], entry["shape"])
+        third = read(directory / entry["third_party"], entry["dtype"], entry["shape"]) if ratio and \
+            entry.get("third_party") else None
+        verdicts.append(judge(entry["name"], got, golden, third))
+    return verdicts
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return "inf" if math.isinf(v) else f"{v:.3e}"
+
+
+def report(op: str, verdicts: list[Verdict]) -> str:
+    """The printable table of :func:`verify`'s verdicts."""
+    lines = [f"gradops verify: {op}"]
+    for v in verdicts:
+        e = v.errors
+        if v.exact:
+            lines.append(f"  {v.name} ({v.dtype}, {v.numel} elements): {int(e.mere * v.numel)} differ "
+                         f"(integers must match bit for bit) -> {'PASS' if v.passed else 'FAIL'}")
+        else:
+            lines.append(f"  {v.name} ({v.dtype}, {v.numel} elements): MARE {_num(e.mare)}  MERE {_num(e.mere)}  "
+                         f"RMSE {_num(e.rmse)}")
+            lines.append(f"    Threshold (T = {_num(v.threshold)}: MERE < T, MARE < 10T): "
+                         f"{'pass' if v.threshold_pass else 'fail'}")
+            if v.ratios is not None:
+                r = v.ratios
+                lines.append(f"    Ratio vs third party (MARE {_num(v.third.mare)}, MERE {_num(v.third.mere)}, "
+                             f"RMSE {_num(v.third.rmse)}): {r[0]:.3g} / {r[1]:.3g} / {r[2]:.3g} -> "
+                             f"{v.level or 'below L0'}; small values {e.small_errors} vs {v.third.small_errors}")
+            lines.append(f"    -> {'PASS' if v.passed else 'FAIL'}")
+        for w in [w for w in v.worst if w["rel"] > 0][: WORST_SHOWN if v.passed else None]:
+            lines.append(f"      at {tuple(w['index'])}: actual {w['actual']!r}, golden {w['golden']!r}, "
+                         f"relative error {_num(w['rel'])}")
+    passed = all(v.passed for v in verdicts)
+    lines.append(f"{'PASS' if passed else 'FAIL'}: {sum(v.passed for v in verdicts)}/{len(verdicts)} output(s)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("case", type=Path, help="case directory written by gradops golden")
+    parser.add_argument("actual", nargs="+", help="your kernel's output files (.bin or .npy), in the manifest's order")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--no-ratio", action="store_true", help="the Threshold standard only")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        verdicts = verify(args.case, args.actual, ratio=not args.no_ratio)
+        op = read_manifest(args.case)["op"]
+    except CaseFileError as err:
+        print(f"gradops verify: {err}", file=sys.stderr)
+        return 2
+    passed = all(v.passed for v in verdicts)
+    if args.json:
+        print(json.dumps({"op": op, "passed": passed, "outputs": [v.as_dict() for v in verdicts]},
+                         default=lambda x: None if isinstance(x, float) and math.isinf(x) else str(x)))
+    else:
+        print(report(op, verdicts))
+    return 0 if passed else 1
