@@ -56,6 +56,17 @@ def test_golden_is_the_float64_oracle_rounded_once(op, dtype):
         assert (golden.double() == ref.to(golden.dtype).double()).float().mean() > 0.99, (op, name)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad", "layer_norm_backward"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_gamma_beside_half_activations(op, dtype):
+    """The tables' mixed rows: gamma (and beta) float32 beside float16 / bfloat16 activations."""
+    case = make(op, "4x8x16", dtype, seed=2, gamma_dtype="float32")
+    assert case.inputs["gamma"].dtype == torch.float32 and case.inputs["x"].dtype == cases.FLOATS[dtype]
+    for (name, golden), ref in zip(case.outputs.items(), oracle(op, *case.inputs.values())):
+        ulp = torch.finfo(golden.dtype).eps * ref.reshape(golden.shape).abs().clamp_min(1e-30)
+        assert bool(((golden.double() - ref.reshape(golden.shape)).abs() <= ulp).all()), (op, name)
+
+
 @pytest.mark.parametrize("op", NAMES)
 def test_every_op_writes_a_case_that_verifies(tmp_path, op):
     """gradops golden -> the third party's files as "the kernel" -> gradops verify passes; the manifest has what

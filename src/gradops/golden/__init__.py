@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rstd-form", choices=("keepdim", "flat"), default=None)
     parser.add_argument("--stat-dtype", choices=("float32", "input"), default=None,
                         help="layer_norm_grad: mean/variance in float32 or in x's dtype")
+    parser.add_argument("--gamma-dtype", choices=("input", "float32"), default=None,
+                        help="norms: gamma/beta in the activations' dtype (default) or float32")
     parser.add_argument("--num-weights", type=int, default=None)
     parser.add_argument("--padding-idx", type=int, default=None)
     parser.add_argument("--scale-grad-by-freq", action="store_true", default=None)
@@ -73,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = {k: getattr(args, k) for k in ("epsilon", "rstd_form", "stat_dtype", "num_weights", "padding_idx",
-                                          "scale_grad_by_freq", "index_dtype", "topk", "experts", "num_out_tokens")}
+    opts = {k: getattr(args, k) for k in ("epsilon", "rstd_form", "stat_dtype", "gamma_dtype", "num_weights",
+                                          "padding_idx", "scale_grad_by_freq", "index_dtype", "topk", "experts",
+                                          "num_out_tokens")}
     unused = [k for k, v in opts.items() if v is not None and k not in OPTIONS.get(args.op, ())]
     try:
         if unused:

@@ -7,7 +7,9 @@ token-gradient shape ``...xD``; MoE: ``TxH``). Edge mixes (a fixed share of the 
 - hardswish: exact -3, +3 (CANN's closed interval), 0, and values beyond +-3;
 - embedding: a padding row (``padding_idx``, signed; out of table means none) and repeated indices;
 - MoE: routers with duplicate experts (ties keep token order); sorted_indices from a real permute;
-- rms_norm_grad: rstd in both accepted forms (``--rstd-form keepdim`` (R, 1), or ``flat`` (R,)).
+- rms_norm_grad: rstd in both accepted forms (``--rstd-form keepdim`` (R, 1), or ``flat`` (R,));
+- norms: gamma (and beta) in the activations' dtype or, as the dtype tables allow beside half activations,
+  ``--gamma-dtype float32``.
 
 The third party is PyTorch where it computes the same output by CANN's definition (``F.rms_norm``'s and
 ``F.layer_norm``'s y, ``F.hardswish``), else gradops' own kernel on ``device``; the manifest names it per output.
@@ -71,8 +73,13 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
 
     h = shape[-1]
     rows = math.prod(shape[:-1])
+    param = torch.float32 if opts.get("gamma_dtype") == "float32" else dtype  # the tables' float32 gamma/beta
+
+    def weight(n):
+        return normal(n).to(param)
+
     if op in ("rms_norm", "rms_norm_grad"):
-        x, gamma = normal(*shape), normal(h)
+        x, gamma = normal(*shape), weight(h)
         if op == "rms_norm":
             return {"x": x, "gamma": gamma, "epsilon": float(opts.get("epsilon", 1e-6))}
         rstd = torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-6).float()
@@ -80,7 +87,7 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
             rstd = rstd.reshape(shape[:-1])
         return {"dy": normal(*shape), "x": x, "rstd": rstd, "gamma": gamma}
     if op.startswith("layer_norm"):
-        x, gamma, beta, dy = normal(*shape, scale=2.0), normal(h), normal(h), normal(*shape)
+        x, gamma, beta, dy = normal(*shape, scale=2.0), weight(h), weight(h), normal(*shape)
         eps = float(opts.get("epsilon", 1e-5))
         x64 = x.double()
         mean, var = x64.mean(-1), x64.var(-1, unbiased=False)
@@ -188,8 +195,8 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
         dtype: float32 / float16 / bfloat16 (the activations' dtype).
         seed: the generator's seed: the same arguments give the same files.
         device: where the third-party kernel runs.
-        opts: op options (epsilon, rstd_form, stat_dtype, num_weights, padding_idx, scale_grad_by_freq,
-            index_dtype, topk, experts, num_out_tokens).
+        opts: op options (epsilon, rstd_form, stat_dtype, gamma_dtype, num_weights, padding_idx,
+            scale_grad_by_freq, index_dtype, topk, experts, num_out_tokens).
 
     Raises:
         CaseError: unknown op or dtype, bad shape, option out of range.
@@ -230,9 +237,10 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
 
 #: The options each op reads, for the CLI's help and checks.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "rms_norm": ("epsilon",), "rms_norm_grad": ("rstd_form",), "layer_norm": ("epsilon",),
-    "layer_norm_grad": ("epsilon", "stat_dtype"), "layer_norm_grad_beta": ("epsilon",),
-    "layer_norm_backward": ("epsilon",), "hardswish": (), "hardswish_backward": (),
+    "rms_norm": ("epsilon", "gamma_dtype"), "rms_norm_grad": ("rstd_form", "gamma_dtype"),
+    "layer_norm": ("epsilon", "gamma_dtype"), "layer_norm_grad": ("epsilon", "stat_dtype", "gamma_dtype"),
+    "layer_norm_grad_beta": ("epsilon",), "layer_norm_backward": ("epsilon", "gamma_dtype"),
+    "hardswish": (), "hardswish_backward": (),
     "embedding_dense_backward": ("num_weights", "padding_idx", "scale_grad_by_freq", "index_dtype"),
     "moe_token_permute": ("topk", "experts", "num_out_tokens", "index_dtype"),
     "moe_token_permute_grad": ("topk", "experts"), "moe_token_unpermute": ("topk", "experts"),

@@ -14,9 +14,10 @@ Per element, in float64: ``rel = |actual - golden| / (|golden| + 1e-7)``. Per ou
   campaign also asks for a number of cases per level (L0 >= 5,000, L1 >= 10,000, L2 >= 30,000) and re-runs; one
   call judges one case.
 
-Sources: hicann/cannbot-skills ``ops/ops-precision-standard/reference/golden/OPS_PRECISION_STANDARDS.md``
-(Threshold: formula, 1e-7, T per dtype, strict ``<``) and ``COMMERCIAL_OPS_PRECISION_DOCS.md`` (Ratio levels,
-§4.5.3 small values, §5.3.3 inf/nan, §4.2-4.4 integer outputs bitwise).
+Sources, both in hicann/cannbot-skills ``ops/ops-precision-standard/reference/golden/``:
+hicann/cannbot-skills ``OPS_PRECISION_STANDARDS.md`` (Threshold: formula, 1e-7, T per dtype, strict ``<``) and
+hicann/cannbot-skills ``COMMERCIAL_OPS_PRECISION_DOCS.md`` (Ratio levels, §4.5.3 small values, §5.3.3 inf/nan,
+§4.2-4.4 integer outputs bitwise).
 
 Non-finite values match only themselves: NaN where the golden has NaN, the same infinity where it has one; any
 other disagreement makes that element's error infinite (so MARE is infinite and both standards fail). Integer
