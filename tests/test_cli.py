@@ -51,3 +51,17 @@ def test_env_lists_every_op(capsys):
 def test_unknown_command_is_refused():
     with pytest.raises(SystemExit):
         cli.main(["nope"])
+
+
+@pytest.mark.parametrize("argv", [["env"], ["golden", "hardswish", "--shape", "4x4", "--out", "{tmp}"]])
+def test_a_reader_that_leaves_early_gets_no_traceback(argv, tmp_path):
+    """``gradops env | head -1``: the pipe closes under the command; it exits quietly (141, as a shell reports a
+    command cut short by SIGPIPE) instead of printing a BrokenPipeError traceback. The child's stdout is a pipe
+    whose reading end is already closed, so every write fails, whatever the timing."""
+    args = [a.format(tmp=tmp_path / "case") for a in argv]
+    child = ("import os, sys\n"
+             "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+             "from gradops.cli import main\n"
+             f"sys.exit(main({args!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr

@@ -247,6 +247,23 @@ def test_embedding_sorting_and_counting_paths_give_the_same_bits(dtype):
         assert not counting[3].any() and counting[idx[0]].any()  # the padding row stays zero; a used row does not
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_hardswish_backward_same_bits_as_the_reference(dtype):
+    """One formula, one result: x·float32(1/3) is rounded before the + 0.5 on every backend (CANN's Muls then
+    Adds). Every bf16 / fp16 bit pattern of x (NaN and infinities included), and for float32 a dense sweep of
+    [-4, 4] with the points where an FMA would keep the product unrounded (x = -1.5 gave -1.49e-8·g, not 0)."""
+    g = torch.Generator().manual_seed(11)
+    if dtype == torch.float32:
+        x = torch.cat([torch.tensor([-1.5, -0.75, 1.5, -3.0, 3.0]), torch.linspace(-4, 4, 400_001)])
+    else:
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    grad = torch.randn(x.shape, generator=g).to(dtype)
+    got = cpu.hardswish_backward(grad, x)
+    assert torch.equal(_bits(got), _bits(reference.hardswish_backward(grad, x)))
+    at = x == -1.5
+    assert at.any() and not got[at].any(), "d(-1.5) = -1.5·(1/3) + 0.5 must be exactly 0"
+
+
 # ---------------------------------------------------------------- half-precision rounding
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_results_round_to_nearest_even(dtype):

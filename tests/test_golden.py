@@ -99,6 +99,51 @@ def test_edge_values_are_in_the_inputs():
     assert flat.shape == (4,) and make("rms_norm_grad", "4x8", "float32").inputs["rstd"].shape == (4, 1)
 
 
+TORCH_PEERS = {"rms_norm": ("y",), "layer_norm": ("y",), "hardswish": ("out",), "rms_norm_grad": ("dx", "dgamma"),
+               "layer_norm_backward": ("dx", "dgamma", "dbeta"), "layer_norm_grad": ("pd_x",),
+               "hardswish_backward": ("out",), "embedding_dense_backward": ("out",)}
+
+
+@pytest.mark.parametrize("op", NAMES)
+def test_pytorch_is_the_third_party_where_it_has_the_op(op):
+    """PyTorch computes every output it has an operator for, in CANN's output dtype and close to the golden (a
+    float32 case: a swapped statistic or a wrong padding row would be far off); gradops' kernel computes the
+    rest, and all of them with --third-party gradops."""
+    case = make(op, _shape(op), "float32", seed=4, padding_idx=1) if op == "embedding_dense_backward" else \
+        make(op, _shape(op), "float32", seed=4)
+    for name, golden in case.outputs.items():
+        third, source = case.third[name], case.third_source[name]
+        assert source.startswith(("torch", "aten")) == (name in TORCH_PEERS.get(op, ())), (name, source)
+        assert third.dtype == golden.dtype and third.shape == golden.shape, name
+        if golden.is_floating_point():
+            torch.testing.assert_close(third, golden, rtol=1e-4, atol=1e-4 * float(golden.abs().max()))
+        else:
+            assert torch.equal(third, golden)
+    ours = make(op, _shape(op), "float32", seed=4, third_party="gradops")
+    assert all(s.startswith("gradops.") for s in ours.third_source.values())
+    with pytest.raises(CaseError, match="--third-party 'npu': one of torch, gradops"):
+        make(op, _shape(op), "float32", third_party="npu")
+
+
+def test_hardswish_third_party_takes_cann_values_at_the_edges():
+    """torch >= 2.8 uses the open interval at x = +-3; the third party gets CANN's -0.5·g and 1.5·g there and
+    ATen's hardswish_backward everywhere else."""
+    case = make("hardswish_backward", "64x64", "bfloat16", seed=5)
+    g, x = case.inputs["grad_output"], case.inputs["self"]
+    third, aten = case.third["out"], torch.ops.aten.hardswish_backward(g, x)
+    edge = (x == 3) | (x == -3)
+    assert edge.any() and torch.equal(third[~edge], aten[~edge])
+    assert torch.equal(third[x == -3], (g[x == -3].float() * -0.5).bfloat16())
+    assert torch.equal(third[x == 3], (g[x == 3].float() * 1.5).bfloat16())
+
+
+def test_embedding_third_party_reads_an_out_of_table_padding_as_none():
+    case = make("embedding_dense_backward", "40x8", "float32", padding_idx=-3, num_weights=12)
+    grad, idx = case.inputs["grad"], case.inputs["indices"]
+    expected = torch.ops.aten.embedding_dense_backward(grad, idx, 12, -1, False)
+    assert torch.equal(case.third["out"], expected) and bool(expected[idx[-1]].any())
+
+
 # ---------------------------------------------------------------- the verdicts at their edges
 T32 = 2.0 ** -13
 
@@ -182,6 +227,39 @@ def test_worst_elements_and_chunks(monkeypatch):
     actual[33] += 0.5
     v = verdict.judge("y", actual, golden)
     assert v.worst[0]["index"] == [33] and v.errors.mere == pytest.approx((5 * 8 * T32 + 0.5) / 50 / (1 + 1e-7))
+
+
+def test_the_standard_decides_pass_or_fail():
+    """Ratio (CANN's standard for its built-in operators) is the default with a third party: a kernel as far from
+    the golden as the third party passes it although both miss Threshold; "both" and "threshold" fail it."""
+    actual, golden = _planted(50, 12 * T32)  # MARE 12 T: Threshold fails
+    v = verdict.judge("y", actual, golden, actual.clone())
+    assert v.standard == "ratio" and v.level == "L2" and v.passed and not v.threshold_pass
+    assert v.third_threshold_pass is False and v.as_dict()["ratio_pass"] is True
+    assert not verdict.judge("y", actual, golden, actual.clone(), standard="both").passed
+    assert not verdict.judge("y", actual, golden, actual.clone(), standard="threshold").passed
+    good, _ = _planted(1, T32)
+    assert verdict.judge("y", good, golden, standard="threshold").passed
+    assert verdict.judge("y", good, golden).standard == "threshold"  # no third party: Threshold
+    with pytest.raises(ValueError, match="needs a third-party output"):
+        verdict.judge("y", good, golden, standard="ratio")
+    with pytest.raises(ValueError, match="standard 'loose'"):
+        verdict.judge("y", good, golden, good, standard="loose")
+
+
+def test_verify_standard_option_and_the_low_bar_note(tmp_path, capsys):
+    """A float32 LayerNorm dx case: the third party (ATen) misses Threshold at this size, verify says so; the
+    third party judged as "the kernel" passes by Ratio and fails with --standard both."""
+    main(["golden", "layer_norm_backward", "--shape", "256x1024", "--out", str(tmp_path)])
+    files_ = [str(tmp_path / f"third_{n}.bin") for n in ("dx", "dgamma", "dbeta")]
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path), *files_]) == 0
+    out = capsys.readouterr().out
+    assert "the third party fails Threshold itself" in out and "PASS by the ratio standard" in out
+    assert main(["verify", str(tmp_path), *files_, "--standard", "both"]) == 1
+    assert "FAIL by the both standard" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path), *files_, "--no-ratio", "--standard", "ratio"]) == 2
+    assert "needs the third party" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the CLI: verdicts, exit codes, errors

@@ -257,6 +257,24 @@ def _free_bytes() -> int:
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_hardswish_backward_no_fma(dtype, launches):
+    """Launched with enable_fp_fusion=False: an FMA would keep x·float32(1/3) unrounded (x = -1.5 gives -1.49e-8
+    instead of 0). Same bits as the CPU reference on every half bit pattern (a dense sweep for float32)."""
+    from gradops import launch, reference
+
+    if dtype == torch.float32:
+        x = torch.cat([torch.tensor([-1.5, -0.75, 1.5]), torch.linspace(-4, 4, 400_001)])
+    else:
+        x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(dtype)
+    got = launch.hardswish_backward(g.cuda(), x.cuda()).cpu()
+    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    assert torch.equal(got.view(bits), reference.hardswish_backward(g, x).view(bits))
+    assert launches()["hardswish_flat_kernel"] == 1
+
+
+@gpu
 @pytest.mark.skipif(_free_bytes() < 16 << 30, reason="needs 16 GiB free device memory")
 def test_hardswish_backward_over_2_31_elements(launches):
     """2^31 + 4099 bf16 elements (4.3 GB each): offsets past 2^31 must not wrap. Checked at both ends."""

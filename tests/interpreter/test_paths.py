@@ -172,6 +172,18 @@ def test_hardswish_boundaries(dtype, launches):
     assert out[:5].float().tolist() == [-0.5, 1.5, 0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_hardswish_backward_every_half_value_same_bits_as_the_reference(dtype, launches):
+    """Every bit pattern of x: the kernel's x·float32(1/3) + 0.5 rounds as the reference's (and CANN's) does."""
+    from gradops import reference
+
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).to(dtype)
+    got = launch.hardswish_backward(g, x)
+    assert torch.equal(got.view(torch.int16), reference.hardswish_backward(g, x).view(torch.int16))
+    assert launches()["hardswish_flat_kernel"] == 1
+
+
 # ------------------------------------------------------------------ Embedding
 @pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
 def test_embedding_segments(dtype, launches):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import OPTIONS, Case, CaseError, make
+from .cases import OPTIONS, THIRD_PARTIES, Case, CaseError, make
 from .files import CaseFileError, write, write_manifest
 
 __all__ = ["Case", "CaseError", "CaseFileError", "make", "write_case"]
@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="case directory to write")
     parser.add_argument("--device", default="cpu", help="where the third-party kernel runs (cpu, cuda)")
+    parser.add_argument("--third-party", choices=THIRD_PARTIES, default="torch",
+                        help="the Ratio standard's bar: torch (PyTorch where it has the operator, else gradops' "
+                             "kernel) or gradops (gradops' kernel for every output)")
     parser.add_argument("--epsilon", type=float, default=None)
     parser.add_argument("--rstd-form", choices=("keepdim", "flat"), default=None)
     parser.add_argument("--stat-dtype", choices=("float32", "input"), default=None,
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if unused:
             raise CaseError(f"{args.op} does not read --{unused[0].replace('_', '-')}")
-        case = make(args.op, args.shape, args.dtype, args.seed, args.device, **opts)
+        case = make(args.op, args.shape, args.dtype, args.seed, args.device, third_party=args.third_party, **opts)
         manifest = write_case(case, args.out, shape=args.shape, dtype=args.dtype, seed=args.seed)
     except (CaseError, CaseFileError, OSError) as err:
         print(f"gradops golden: {err}", file=sys.stderr)

@@ -11,14 +11,18 @@ token-gradient shape ``...xD``; MoE: ``TxH``). Edge mixes (a fixed share of the 
 - norms: gamma (and beta) in the activations' dtype or, as the dtype tables allow beside half activations,
   ``--gamma-dtype float32``.
 
-The third party is PyTorch where it computes the same output by CANN's definition (``F.rms_norm``'s and
-``F.layer_norm``'s y, ``F.hardswish``), else gradops' own kernel on ``device``; the manifest names it per output.
+The third party is PyTorch on ``device`` where it has the operator: the forwards' y (``F.rms_norm``,
+``F.layer_norm``, ``F.hardswish``), rms_norm_grad (autograd of ``F.rms_norm``), the LayerNorm dx / dgamma / dbeta
+and LayerNormGrad's pd_x (``aten.native_layer_norm_backward``), ``aten.hardswish_backward`` and
+``aten.embedding_dense_backward``; else (the statistics, LayerNormGrad's res_for_gamma, LayerNormGradBeta, the MoE
+family) gradops' own kernel on ``device``. The manifest names the source per output.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +177,10 @@ def _golden(op: str, args: list, like: tuple[torch.Tensor, ...]) -> tuple[torch.
 
 
 def _torch_peer(op: str, args: list) -> dict[int, tuple[torch.Tensor, str]]:
-    """PyTorch's output where it computes CANN's definition: output position -> (tensor, source)."""
+    """PyTorch's output where PyTorch has the operator (``output position -> (tensor, source)``), computing CANN's
+    output in CANN's output dtype. Statistics PyTorch does not take are derived the way PyTorch's own forward
+    would hand them over; the source string says what was done."""
+    aten = torch.ops.aten
     if op == "rms_norm":
         x, gamma, eps = args
         return {0: (F.rms_norm(x, gamma.shape, gamma, eps), "torch.nn.functional.rms_norm")}
@@ -182,11 +189,54 @@ def _torch_peer(op: str, args: list) -> dict[int, tuple[torch.Tensor, str]]:
         return {0: (F.layer_norm(x, gamma.shape, gamma, beta, eps), "torch.nn.functional.layer_norm")}
     if op == "hardswish":
         return {0: (F.hardswish(args[0]), "torch.nn.functional.hardswish")}
+    if op == "rms_norm_grad":
+        # PyTorch's rms_norm backward recomputes rstd from x (eps 1e-6, the eps of the case's rstd); gamma in
+        # float32 so that dgamma comes out in float32, CANN's dgamma dtype, as PyTorch computes a float32 weight's.
+        dy, x, _, gamma = args
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Mismatch dtype between input and weight": the unfused path, wanted
+            xr, gr = x.detach().requires_grad_(), gamma.detach().float().requires_grad_()
+            dx, dgamma = torch.autograd.grad(F.rms_norm(xr, gr.shape, gr, 1e-6), (xr, gr), dy)
+        src = "torch.autograd of torch.nn.functional.rms_norm (rstd recomputed, eps 1e-6; float32 weight)"
+        return {0: (dx, src), 1: (dgamma, src)}
+    if op in ("layer_norm_backward", "layer_norm_grad"):
+        if op == "layer_norm_backward":
+            dy, x, mean, rstd, gamma = args
+            src = "aten.native_layer_norm_backward"
+        else:  # AscendC LayerNormGrad's pd_x: ATen's backward on rstd = rsqrt(variance + eps) in float32
+            dy, x, var, mean, gamma, eps = args
+            rstd = torch.rsqrt(var.float() + eps)
+            src = "aten.native_layer_norm_backward (rstd = rsqrt(variance + epsilon) in float32)"
+        stat, w = (*x.shape[:-1], 1), gamma.float()  # float32 weight: dgamma/dbeta in float32, CANN's dtype
+        # the bias is only read for its presence (dbeta's shape); ATen refuses None beside an output mask
+        outs = aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean.float().reshape(stat),
+                                               rstd.float().reshape(stat), w, torch.zeros_like(w),
+                                               [True, op == "layer_norm_backward", op == "layer_norm_backward"])
+        if op == "layer_norm_grad":
+            return {0: (outs[0], src)}
+        return {0: (outs[0], src), 1: (outs[1], src), 2: (outs[2], src)}
+    if op == "hardswish_backward":
+        # torch >= 2.8 takes the open interval at x = +-3 (d(-3) = 0, d(3) = 1); CANN's V1 the closed one. At those
+        # two points the third party gets CANN's values, as torch_npu patches them for its users.
+        g, x = args
+        out = aten.hardswish_backward(g, x)
+        closed = torch.where(x == -3, g.float() * -0.5, g.float() * 1.5).to(g.dtype)
+        return {0: (torch.where((x == 3) | (x == -3), closed, out),
+                    "aten.hardswish_backward (CANN's closed-interval values at x = -3, 3)")}
+    if op == "embedding_dense_backward":
+        grad, idx, vocab, padding, scale = args
+        pad = padding if 0 <= padding < vocab else -1  # CANN: a padding index outside the table means none
+        return {0: (aten.embedding_dense_backward(grad, idx, vocab, pad, scale),
+                    "aten.embedding_dense_backward (padding_idx outside the table passed as -1)")}
     return {}
 
 
+#: Who computes the third-party outputs (``make(third_party=...)``, ``gradops golden --third-party``).
+THIRD_PARTIES = ("torch", "gradops")
+
+
 def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: int = 0, device: str = "cpu",
-         **opts: object) -> Case:
+         third_party: str = "torch", **opts: object) -> Case:
     """Generate the case: inputs, goldens and third-party outputs (see the module docstring).
 
     Args:
@@ -195,6 +245,7 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
         dtype: float32 / float16 / bfloat16 (the activations' dtype).
         seed: the generator's seed: the same arguments give the same files.
         device: where the third-party kernel runs.
+        third_party: "torch" (PyTorch where it has the operator, else gradops' kernel) or "gradops".
         opts: op options (epsilon, rstd_form, stat_dtype, gamma_dtype, num_weights, padding_idx,
             scale_grad_by_freq, index_dtype, topk, experts, num_out_tokens).
 
@@ -207,6 +258,8 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
         raise CaseError(f"unknown op {op!r}; one of: {', '.join(NAMES)}")
     if dtype not in FLOATS:
         raise CaseError(f"--dtype {dtype!r}: one of {', '.join(FLOATS)}")
+    if third_party not in THIRD_PARTIES:
+        raise CaseError(f"--third-party {third_party!r}: one of {', '.join(THIRD_PARTIES)}")
     dims = parse_shape(shape) if isinstance(shape, str) else tuple(shape)
     if not dims or any(d < 0 for d in dims):
         raise CaseError(f"--shape {shape!r}: at least one non-negative size")
@@ -224,7 +277,8 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
     golden = _golden(op, args, ours)
     names = _names(op)
     third, source = {}, {}
-    peers = _torch_peer(op, [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args])
+    peers = _torch_peer(op, [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]) \
+        if third_party == "torch" else {}
     for i, name in enumerate(names):
         if i in peers:
             third[name], source[name] = peers[i][0].cpu(), peers[i][1]

@@ -3,8 +3,10 @@
 ACTUAL files come in the order of the manifest's outputs (``.bin``: raw little-endian in the output's dtype,
 bfloat16 as its bits; or ``.npy``); each is checked for size / dtype / shape before anything is compared. Per
 output it prints MARE / MERE / RMSE, the Threshold verdict, the ratios to the case's third party and the level
-they reach (Ratio standard), and the worst elements; the exit status is 0 when every output passes, 1 otherwise,
-2 for unusable arguments. ``--json`` prints the same as one JSON object.
+they reach (Ratio standard), and the worst elements. An output passes by ``--standard``: ``ratio`` (CANN's standard
+for its built-in operators; the default when the case has a third party), ``threshold`` or ``both``. The exit
+status is 0 when every output passes, 1 otherwise, 2 for unusable arguments. ``--json`` prints the same as one
+JSON object.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ import sys
 from pathlib import Path
 
 from .files import CaseFileError, read, read_manifest
-from .verdict import Verdict, judge
+from .verdict import STANDARDS, Verdict, judge
 
 #: Worst elements printed for an output that passed (all of them, up to verdict.WORST, for one that failed).
 WORST_SHOWN = 3
 
 
-def verify(directory: str | Path, actual: list[str | Path], *, ratio: bool = True) -> list[Verdict]:
+def verify(directory: str | Path, actual: list[str | Path], *, ratio: bool = True,
+           standard: str | None = None) -> list[Verdict]:
     """Judge ``actual`` (one file per output, in the manifest's order) against the case in ``directory``.
 
     Args:
         directory: a case directory (``manifest.json`` and its files).
         actual: the kernel's output files.
-        ratio: also apply the Ratio standard against the case's third-party outputs.
+        ratio: compare with the case's third-party outputs (False: the Threshold standard alone).
+        standard: what decides pass / fail (:data:`gradops.golden.verdict.STANDARDS`); default "ratio" where the
+            case has a third-party output, else "threshold".
 
     Raises:
         CaseFileError: a missing or malformed manifest or file, a count / size / dtype / shape mismatch.
@@ -45,7 +50,10 @@ def verify(directory: str | Path, actual: list[str | Path], *, ratio: bool = Tru
         got = read(Path(path), entry["dtype"], entry["shape"])
         third = read(directory / entry["third_party"], entry["dtype"], entry["shape"]) if ratio and \
             entry.get("third_party") else None
-        verdicts.append(judge(entry["name"], got, golden, third))
+        try:
+            verdicts.append(judge(entry["name"], got, golden, third, standard=standard))
+        except ValueError as err:
+            raise CaseFileError(str(err)) from None
     return verdicts
 
 
@@ -72,8 +80,12 @@ def report(op: str, verdicts: list[Verdict]) -> str:
                 r = v.ratios
                 lines.append(f"    Ratio vs third party (MARE {_num(v.third.mare)}, MERE {_num(v.third.mere)}, "
                              f"RMSE {_num(v.third.rmse)}): {r[0]:.3g} / {r[1]:.3g} / {r[2]:.3g} -> "
-                             f"{v.level or 'below L0'}; small values {e.small_errors} vs {v.third.small_errors}")
-            lines.append(f"    -> {'PASS' if v.passed else 'FAIL'}")
+                             f"{v.level or 'below L0'}; small values {e.small_errors} vs {v.third.small_errors}"
+                             f" -> {'pass' if v.ratio_pass else 'fail'}")
+                if not v.third_threshold_pass:
+                    lines.append("    note: the third party fails Threshold itself, so this Ratio bar is low "
+                                 "(gradops golden --third-party gradops sets gradops' kernel as the bar)")
+            lines.append(f"    -> {'PASS' if v.passed else 'FAIL'} by the {v.standard} standard")
         for w in [w for w in v.worst if w["rel"] > 0][: WORST_SHOWN if v.passed else None]:
             lines.append(f"      at {tuple(w['index'])}: actual {w['actual']!r}, golden {w['golden']!r}, "
                          f"relative error {_num(w['rel'])}")
@@ -86,12 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("case", type=Path, help="case directory written by gradops golden")
     parser.add_argument("actual", nargs="+", help="your kernel's output files (.bin or .npy), in the manifest's order")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--no-ratio", action="store_true", help="the Threshold standard only")
+    parser.add_argument("--standard", choices=STANDARDS, default=None,
+                        help="what decides pass/fail: ratio (CANN's standard for its built-in operators; the "
+                             "default when the case has a third party), threshold, or both")
+    parser.add_argument("--no-ratio", action="store_true",
+                        help="ignore the third party: the Threshold standard only")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        verdicts = verify(args.case, args.actual, ratio=not args.no_ratio)
+        if args.no_ratio and args.standard not in (None, "threshold"):
+            raise CaseFileError(f"--no-ratio with --standard {args.standard}: that standard needs the third party")
+        verdicts = verify(args.case, args.actual, ratio=not args.no_ratio, standard=args.standard)
         op = read_manifest(args.case)["op"]
     except CaseFileError as err:
         print(f"gradops verify: {err}", file=sys.stderr)

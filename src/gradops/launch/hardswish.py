@@ -41,6 +41,9 @@ def _coalesce(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[l
 
 
 def _run(g: Tensor | None, x: Tensor, out: Tensor | None) -> Tensor:
+    # Both launches pass enable_fp_fusion=False: the backward's x·(1/3) + 0.5 must round the product first, as
+    # CANN's Muls/Adds and the other backends do (an FMA gives -1.49e-8 instead of 0 at x = -1.5; see
+    # gradops.cpu.hardswish). The interpreter ignores the option; numpy never fuses.
     backward = g is not None
     # empty_like keeps x's strides when x is dense, else is contiguous; a caller's out is contiguous
     out = torch.empty_like(x) if out is None else outputs(out, [(x.shape, x.dtype)], x.device)[0]
@@ -51,7 +54,7 @@ def _run(g: Tensor | None, x: Tensor, out: Tensor | None) -> Tensor:
     if all(t.stride() == x.stride() for t in tensors) and _dense(x):
         # One storage range per tensor, same element order: a flat pass (data_ptr is the lowest address).
         launch(hardswish_flat_kernel, (triton.cdiv(n, FLAT_BLOCK),), tensors[0], x, out, n, BACKWARD=backward,
-               BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS)
+               BLOCK=FLAT_BLOCK, num_warps=FLAT_WARPS, enable_fp_fusion=False)
         return out
     sizes, strides = _coalesce(tuple(x.shape), [t.stride() for t in tensors])
     if len(sizes) > STRIDED_DIMS:  # > 4 non-mergeable dims: rare; one copy per input (and of a permuted result)
@@ -67,7 +70,7 @@ def _run(g: Tensor | None, x: Tensor, out: Tensor | None) -> Tensor:
     col_blocks = triton.cdiv(sizes[3], block_c)
     launch(hardswish_strided_kernel, (triton.cdiv(rows, block_r) * col_blocks,), *tensors, rows, sizes[3], sizes[1],
            sizes[2], col_blocks, *strides[0], *strides[1], *strides[2], BACKWARD=backward, BLOCK_R=block_r,
-           BLOCK_C=block_c, num_warps=warps)
+           BLOCK_C=block_c, num_warps=warps, enable_fp_fusion=False)
     return out
 
 
