@@ -22,9 +22,15 @@ def _shape(op):
     return "12x16" if op.startswith("moe") else "3x5x16"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                                   torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_files_round_trip_bit_for_bit(tmp_path, dtype):
-    t = (torch.randn(6, 7, generator=torch.Generator().manual_seed(0)) * 300).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        t = (torch.randn(6, 7, generator=gen) * 300).to(dtype)
+    else:
+        low, high = {torch.uint8: (0, 256), torch.bool: (0, 2), torch.int8: (-128, 128)}.get(dtype, (-3000, 3000))
+        t = torch.randint(low, high, (6, 7), generator=gen).to(dtype)
     if dtype.is_floating_point:
         t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(dtype)
     entry = files.write(tmp_path, "x", t)
@@ -85,6 +91,26 @@ def test_same_seed_same_files(tmp_path):
         main(["golden", "embedding_dense_backward", "--shape", "40x8", "--seed", "7", "--out", str(tmp_path / d)])
     for f in (tmp_path / "a").glob("*.bin"):
         assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("index_dtype", cases.INDEX_DTYPES["embedding_dense_backward"])
+def test_every_embedding_index_dtype(tmp_path, index_dtype):
+    """The nine index dtypes of aclnnEmbeddingDenseBackward: the golden is the oracle's on the indices as stored
+    (floats truncated toward zero, fractions and (-1, 0) values included); narrow types stay in their range; the
+    case round-trips through the CLI and verifies."""
+    case = make("embedding_dense_backward", "60x8", "bfloat16", seed=6, index_dtype=index_dtype, num_weights=300)
+    idx = case.inputs["indices"]
+    assert idx.dtype == files.DTYPES[index_dtype][0]
+    if idx.is_floating_point():
+        assert bool((idx != idx.trunc()).any()) and bool(((idx < 0) & (idx > -1)).any())
+    ref = oracle("embedding_dense_backward", *case.inputs.values())[0]
+    assert torch.equal(case.outputs["out"], ref.to(torch.bfloat16))
+    out = tmp_path / "case"
+    assert main(["golden", "embedding_dense_backward", "--shape", "60x8", "--index-dtype", index_dtype,
+                 "--out", str(out)]) == 0
+    assert main(["verify", str(out), str(out / "third_out.bin")]) == 0
+    with pytest.raises(CaseError, match="--index-dtype 'int8': one of int64, int32"):
+        make("moe_token_permute", "8x4", "float32", index_dtype="int8")
 
 
 def test_edge_values_are_in_the_inputs():

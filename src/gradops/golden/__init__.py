@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import OPTIONS, THIRD_PARTIES, Case, CaseError, make
+from .cases import INDEX_DTYPES, OPTIONS, THIRD_PARTIES, Case, CaseError, make
 from .files import CaseFileError, write, write_manifest
 
 __all__ = ["Case", "CaseError", "CaseFileError", "make", "write_case"]
@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-weights", type=int, default=None)
     parser.add_argument("--padding-idx", type=int, default=None)
     parser.add_argument("--scale-grad-by-freq", action="store_true", default=None)
-    parser.add_argument("--index-dtype", choices=("int64", "int32"), default=None)
+    parser.add_argument("--index-dtype", choices=INDEX_DTYPES["embedding_dense_backward"], default=None,
+                        help="embedding: any of the nine (floats truncated toward zero); MoE permute: int64, int32")
     parser.add_argument("--topk", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--num-out-tokens", type=int, default=None)

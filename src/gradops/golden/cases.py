@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..registry import NAMES
+from .files import DTYPES as FILE_DTYPES
 
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SHAPE = re.compile(r"^[0-9]+(x[0-9]+)*$")
@@ -118,11 +119,21 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
         if vocab < 1:
             raise CaseError(f"{op}: --num-weights must be >= 1, got {vocab}")
         padding = int(opts.get("padding_idx", 1 if vocab > 1 else -1))
-        idx = torch.randint(0, vocab, shape[:-1], generator=g)
-        if idx.numel() and 0 <= padding < vocab:
+        itype = _index_dtype(op, opts)
+        top = min(vocab, _INDEX_RANGE.get(itype, vocab))  # narrow index types reach only the table's first rows
+        idx = torch.randint(0, top, shape[:-1], generator=g)
+        if idx.numel() and 0 <= padding < top:
             idx.view(-1)[:: 7] = padding  # padding rows in the mix
-        return {"grad": normal(*shape), "indices": idx.to(_INDEX[opts.get("index_dtype", "int64")]),
-                "num_weights": vocab, "padding_idx": padding,
+        if itype.is_floating_point:  # CANN truncates float indices toward zero: 2.7 -> 2, -0.5 -> 0
+            frac = torch.rand(idx.shape, generator=g, dtype=torch.float64) * 0.9
+            value = idx.double() + frac
+            value.view(-1)[3::11] = -frac.view(-1)[3::11]
+            stored = value.to(itype)
+            # a fraction that rounds up to the next integer (float16 above 1024) must not leave the table
+            indices = torch.where(stored.double() >= top, idx.to(itype), stored)
+        else:
+            indices = idx.to(itype)
+        return {"grad": normal(*shape), "indices": indices, "num_weights": vocab, "padding_idx": padding,
                 "scale_grad_by_freq": bool(opts.get("scale_grad_by_freq", False))}
     if len(shape) != 2:
         raise CaseError(f"{op}: --shape must be TxH (tokens x hidden), got {'x'.join(map(str, shape))}")
@@ -135,7 +146,7 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
     if t > 1:
         ids[1::5, :] = ids[1::5, :1]  # duplicate experts within a token: ties keep token order
     if op == "moe_token_permute":
-        return {"tokens": normal(t, h), "indices": ids.to(_INDEX[opts.get("index_dtype", "int64")]),
+        return {"tokens": normal(t, h), "indices": ids.to(_index_dtype(op, opts)),
                 "num_out_tokens": int(opts.get("num_out_tokens", 0))}
     sorted_indices = reference.moe_token_permute(torch.zeros(t, 0), ids, 0)[1]
     if op == "moe_token_permute_grad":
@@ -147,7 +158,20 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
             "probs": probs}
 
 
-_INDEX = {"int64": torch.int64, "int32": torch.int32}
+#: Index dtypes by op: aclnnEmbeddingDenseBackward takes nine (docs/semantics.md §2), the MoE permute two.
+INDEX_DTYPES = {"embedding_dense_backward": ("int64", "int32", "int16", "int8", "uint8", "bool", "float64", "float32",
+                                            "float16"),
+                "moe_token_permute": ("int64", "int32")}
+#: Rows an index dtype can name exactly (float16 holds every integer up to 2048, float32 up to 2^24).
+_INDEX_RANGE = {torch.int16: 1 << 15, torch.int8: 128, torch.uint8: 256, torch.bool: 2, torch.float16: 2048,
+                torch.float32: 1 << 24}
+
+
+def _index_dtype(op: str, opts: dict) -> torch.dtype:
+    name = opts.get("index_dtype", "int64")
+    if name not in INDEX_DTYPES[op]:
+        raise CaseError(f"{op}: --index-dtype {name!r}: one of {', '.join(INDEX_DTYPES[op])}")
+    return FILE_DTYPES[name][0]
 
 
 def _f64(v: object) -> object:
@@ -165,8 +189,8 @@ def _golden(op: str, args: list, like: tuple[torch.Tensor, ...]) -> tuple[torch.
         ref_args = [a.reshape(rows, h) if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.numel() == rows * h
                     and a.shape[-1] == h else a.reshape(rows) if isinstance(a, torch.Tensor) and a.dim() >= 1
                     and a.numel() == rows and a.shape[-1] != h else a for a in ref_args]
-        if op == "embedding_dense_backward":
-            ref_args[1] = args[1].reshape(-1)
+    if op == "embedding_dense_backward":  # the reference takes int64 rows: CANN truncates floats toward zero
+        ref_args[1] = args[1].reshape(-1).long()
     if op == "moe_token_permute":
         t, k = args[1].shape[0], args[1].shape[1] if args[1].dim() == 2 else 1
         ref_args = [ref_args[0], ref_args[1], like[0].shape[0] if t * k else 0]
@@ -226,8 +250,9 @@ def _torch_peer(op: str, args: list) -> dict[int, tuple[torch.Tensor, str]]:
     if op == "embedding_dense_backward":
         grad, idx, vocab, padding, scale = args
         pad = padding if 0 <= padding < vocab else -1  # CANN: a padding index outside the table means none
-        return {0: (aten.embedding_dense_backward(grad, idx, vocab, pad, scale),
-                    "aten.embedding_dense_backward (padding_idx outside the table passed as -1)")}
+        wide = idx if idx.dtype in (torch.int32, torch.int64) else idx.long()  # truncation toward zero, as CANN
+        return {0: (aten.embedding_dense_backward(grad, wide, vocab, pad, scale),
+                    "aten.embedding_dense_backward (padding_idx outside the table passed as -1; indices as int64)")}
     return {}
 
 

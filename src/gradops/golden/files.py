@@ -24,6 +24,9 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float64": (torch.float64, np.dtype("<f8")),
     "int32": (torch.int32, np.dtype("<i4")),
     "int64": (torch.int64, np.dtype("<i8")),
+    "int16": (torch.int16, np.dtype("<i2")),
+    "int8": (torch.int8, np.dtype("i1")),
+    "uint8": (torch.uint8, np.dtype("u1")),
     "bool": (torch.bool, np.dtype("?")),
 }
 NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
