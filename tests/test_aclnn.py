@@ -401,6 +401,58 @@ def test_executor_is_single_use_unless_repeatable():
     assert aclnn.aclSetAclOpExecutorRepeatable(None) == NULL
 
 
+def _moe_permute_args():
+    return [torch.randn(4, 6), torch.randint(0, 3, (4, 2)), 0, False, torch.empty(8, 6),
+            torch.empty(8, dtype=torch.int32)]
+
+
+CHANGES = [
+    # (op, argument maker, position, change, name in the message): each would make phase 2 read or write outside
+    # what phase 1 checked (x.resize_ made the CPU kernel read past gradOutput's end)
+    ("hardswish_backward", hsw_args, 1, lambda t: t.resize_(1 << 16), "self"),
+    ("hardswish_backward", hsw_args, 2, lambda t: t.resize_(1 << 16), "out"),
+    ("hardswish_backward", hsw_args, 0, lambda t: t.set_(torch.randn(4, 6)), "gradOutput"),  # same shape, moved
+    ("hardswish_backward", hsw_args, 2, lambda t: t.as_strided_((4, 6), (1, 4)), "out"),
+    ("rms_norm_grad", rms_grad_args, 1, lambda t: t.resize_(2, 1, 4), "x"),
+    ("rms_norm_grad", rms_grad_args, 5, lambda t: t.untyped_storage().resize_(8), "dgammaOut"),
+    ("embedding_dense_backward", emb_args, 1, lambda t: t.resize_(1 << 12), "indices"),
+    ("embedding_dense_backward", emb_args, 5, lambda t: t.resize_(2, 5), "out"),
+    ("moe_token_permute_grad", moe_grad_args, 1, lambda t: t.resize_(1 << 12), "sortedIndices"),
+    ("moe_token_permute", _moe_permute_args, 0, lambda t: t.resize_(64, 6), "tokens"),
+]
+
+
+@pytest.mark.parametrize("op,make,pos,change,name", CHANGES,
+                         ids=[f"{c[0]}-{c[4]}-{i}" for i, c in enumerate(CHANGES)])
+def test_phase_2_refuses_tensors_changed_after_phase_1(op, make, pos, change, name):
+    """A tensor resized, re-pointed, restrided or whose storage shrank between the phases: 161002 naming it,
+    nothing run (the outs keep their sentinel); a new phase 1 on the changed tensors decides afresh."""
+    args = make()
+    outs = [a for a in args if isinstance(a, torch.Tensor)][-2 if op in ("rms_norm_grad", "moe_token_permute")
+                                                              else -1:]
+    for o in outs:
+        o.fill_(7)
+    first, second = PHASES[op]
+    status, size, executor = first(*args)
+    assert status == ACLNN_SUCCESS
+    change(args[pos])
+    ws = torch.empty(size, dtype=torch.uint8) if size else None
+    assert second(ws, size, executor, None) == INVALID
+    message = aclnn.aclGetRecentErrMsg()
+    assert f"{name} changed after phase 1" in message, message
+    unchanged = [o for o in outs if o is not args[pos]]
+    assert all(torch.equal(o, torch.full_like(o, 7)) for o in unchanged), "nothing may run"
+
+
+def test_phase_2_runs_on_changed_values():
+    """Values are data, not layout: an executor run after the inputs' values changed in place computes on them."""
+    grad, x, out = hsw_args()
+    _, size, executor = aclnn.aclnnHardswishBackwardGetWorkspaceSize(grad, x, out)
+    x.mul_(0.5)
+    assert aclnn.aclnnHardswishBackward(None, size, executor, None) == ACLNN_SUCCESS
+    assert torch.equal(out, gradops.hardswish_backward(grad, x))
+
+
 def test_executor_argument_checks():
     _, size, executor = aclnn.aclnnHardswishBackwardGetWorkspaceSize(*hsw_args())
     assert aclnn.aclnnHardswishBackward(None, 0, None, None) == NULL

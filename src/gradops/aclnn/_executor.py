@@ -17,6 +17,12 @@ Status choices where CANN leaves the behaviour undefined (a C caller gets memory
   161002 (ACLNN_ERR_PARAM_INVALID: a parameter check, nothing has run yet, so the executor stays usable).
 - a data-dependent refusal while running (e.g. an index out of range): the OpError's status (161002); any other
   failure of the implementation: 361001 (ACLNN_ERR_RUNTIME_ERROR). A run that started consumes the executor.
+- a tensor phase 1 checked that changed before phase 2 (``resize_``, ``set_``, ``as_strided_``, a storage resized
+  or swapped): 161002, nothing run. A C executor holds each aclTensor's address, shape and strides as phase 1 saw
+  them; a Python tensor can change under the executor, and running on the changed one would read or write
+  outside what was checked (``x.resize_(1 << 16)`` made the CPU kernel read past the end of ``gradOutput``).
+  Phase 2 compares each tensor's address, shape, strides, offset, dtype, device and storage size with phase 1's
+  (~1 µs a tensor); values may change (they are data, and data-dependent checks rerun).
 """
 
 from __future__ import annotations
@@ -92,8 +98,10 @@ class aclOpExecutor:  # CANN's name (not PEP 8), so ported code reads the same
     """
 
     def __init__(self, op: str, backend_name: str, device: torch.device, workspace_size: int,
-                 run: Callable[[torch.Tensor | None], None]) -> None:
+                 run: Callable[[torch.Tensor | None], None],
+                 bound: dict[str, torch.Tensor] | None = None) -> None:
         self.op = op
+        self._bound = {name: (t, _layout(t)) for name, t in (bound or {}).items() if isinstance(t, torch.Tensor)}
         self.backend = backend_name
         self.device = device
         self.workspace_size = workspace_size
@@ -106,6 +114,24 @@ class aclOpExecutor:  # CANN's name (not PEP 8), so ported code reads the same
         state = "destroyed" if self.destroyed else "spent" if self.spent else "ready"
         return (f"aclOpExecutor({self.op}, backend={self.backend}, device={self.device}, "
                 f"workspace={self.workspace_size} B, {'repeatable, ' if self.repeatable else ''}{state})")
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What a kernel relies on besides the values: where the elements are and how many bytes back them."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+            t.untyped_storage().nbytes())
+
+
+def _changed(executor: aclOpExecutor) -> str | None:
+    """The first bound tensor whose layout differs from phase 1's, described; None when none does."""
+    for name, (t, before) in executor._bound.items():
+        now = _layout(t)
+        if now != before:
+            what = ("shape", "strides", "storage offset", "dtype", "device", "storage bytes")
+            diff = [f"{w} {b} -> {a}" for w, b, a in zip(what, before[1:], now[1:]) if b != a] or \
+                ["memory moved (address changed)"]
+            return f"{name} changed after phase 1 ({'; '.join(diff)}); call the GetWorkspaceSize phase again"
+    return None
 
 
 def aclSetAclOpExecutorRepeatable(executor: aclOpExecutor | None) -> int:
@@ -135,6 +161,7 @@ def aclDestroyAclOpExecutor(executor: aclOpExecutor | None) -> int:
         return _refuse(ACLNN_ERR_PARAM_INVALID, f"aclDestroyAclOpExecutor: {executor!r} cannot be destroyed")
     executor.destroyed = True
     executor._run = None  # drop the references to the caller's tensors, as CANN frees the executor
+    executor._bound = {}
     return ACLNN_SUCCESS
 
 
@@ -151,8 +178,8 @@ _ALIGN = 64
 
 
 def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute,
-            outs: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None
-            ) -> tuple[int, int, aclOpExecutor | None]:
+            outs: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None,
+            inputs: dict[str, torch.Tensor] | None = None) -> tuple[int, int, aclOpExecutor | None]:
     """Phase 1 after validation: bind ``compute`` to the chosen implementation and size its workspace.
 
     The results are written straight into the caller's out tensors: an implementation that takes ``out=`` gets
@@ -172,6 +199,7 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
             elements share memory (a broadcast or interleaved view cannot hold one value per element).
         shapes: the shape the implementation produces a result in, by out name, where it is not the out's own
             (the 2-D view of an N-D dx, for instance).
+        inputs: the caller's input tensors by CANN name: with ``outs``, what phase 2 re-checks for changes.
 
     Returns:
         ``(status, workspace_size, executor)``.
@@ -224,7 +252,7 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
         for t, buf in pending:
             t.copy_(buf.reshape(t.shape))
 
-    return ACLNN_SUCCESS, size, aclOpExecutor(op, name, device, size, run)
+    return ACLNN_SUCCESS, size, aclOpExecutor(op, name, device, size, run, {**(inputs or {}), **outs})
 
 
 def _workspace_bytes(op: str, workspace, workspace_size, executor: aclOpExecutor) -> tuple[int, torch.Tensor | None]:
@@ -273,6 +301,9 @@ def execute(op: str, workspace, workspace_size, executor: aclOpExecutor | None, 
     status, ws = _workspace_bytes(op, workspace, workspace_size, executor)
     if status:
         return status
+    changed = _changed(executor)
+    if changed:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {changed}")
     executor.spent = not executor.repeatable
     try:
         with ctx, torch.no_grad():  # writing into out tensors that require grad is the caller's business

@@ -70,7 +70,7 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
 
     # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
     stand_in = torch.zeros((), dtype=torch.int64, device=device).expand(rows)
-    return prepare(_OP, device, args(stand_in), compute, {"out": out})
+    return prepare(_OP, device, args(stand_in), compute, {"out": out}, inputs={"grad": grad, "indices": indices})
 
 
 def aclnnEmbeddingDenseBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

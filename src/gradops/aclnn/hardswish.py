@@ -30,7 +30,8 @@ def aclnnHardswishBackwardGetWorkspaceSize(gradOutput: Tensor, self: Tensor,
     def compute(impl, kw):
         return impl(gradOutput, self, **kw)
 
-    return prepare("hardswish_backward", self.device, (gradOutput, self), compute, {"out": out})
+    return prepare("hardswish_backward", self.device, (gradOutput, self), compute, {"out": out},
+                   inputs={"gradOutput": gradOutput, "self": self})
 
 
 def aclnnHardswishBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

@@ -44,7 +44,8 @@ def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedI
         checked_sorted_indices(sortedIndices)
         return impl(*args, **kw)
 
-    return prepare("moe_token_permute_grad", permutedOutputGrad.device, args, compute, {"out": out})
+    return prepare("moe_token_permute_grad", permutedOutputGrad.device, args, compute, {"out": out},
+                   inputs={"permutedOutputGrad": permutedOutputGrad, "sortedIndices": sortedIndices})
 
 
 def aclnnMoeTokenPermuteGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
@@ -79,7 +80,8 @@ def aclnnMoeTokenPermuteGetWorkspaceSize(tokens: Tensor, indices: Tensor, numOut
         return impl(*args, **kw)
 
     return prepare("moe_token_permute", tokens.device, args, compute,
-                   {"permuteTokensOut": permuteTokensOut, "sortedIndicesOut": sortedIndicesOut})
+                   {"permuteTokensOut": permuteTokensOut, "sortedIndicesOut": sortedIndicesOut},
+                   inputs={"tokens": tokens, "indices": indices})
 
 
 def aclnnMoeTokenPermute(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

@@ -40,7 +40,8 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
         return impl(*args(), **kw)
 
     return prepare("rms_norm_grad", x.device, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
-                   {"dxOut": (rows, cols), "dgammaOut": (cols,)})
+                   {"dxOut": (rows, cols), "dgammaOut": (cols,)},
+                   inputs={"dy": dy, "x": x, "rstd": rstd, "gamma": gamma})
 
 
 def aclnnRmsNormGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
@@ -72,7 +73,7 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
         return impl(*args(), **kw)
 
     return prepare("rms_norm", x.device, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
-                   {"yOut": (rows, cols), "rstdOut": (rows,)})
+                   {"yOut": (rows, cols), "rstdOut": (rows,)}, inputs={"x": x, "gamma": gamma})
 
 
 def aclnnRmsNorm(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
