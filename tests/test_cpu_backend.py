@@ -173,6 +173,57 @@ def test_cache_folder_follows_the_sources(monkeypatch, tmp_path):
     assert cpu._sources_fingerprint() != before
 
 
+_CHILD = """
+import torch, gradops
+from gradops import reference
+g = torch.Generator().manual_seed(0)
+grad, x = torch.randn(64, 33, generator=g), torch.randn(64, 33, generator=g) * 4
+assert gradops.backend.choose("hardswish_backward", x.device).name == "cpu"
+assert torch.equal(gradops.hardswish_backward(grad, x), reference.hardswish_backward(grad, x))
+print("ok")
+"""
+
+
+def _child(env_cache: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "GRADOPS_BACKEND")}
+    env["GRADOPS_CACHE_DIR"] = env_cache
+    return subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
+                          check=False)
+
+
+def test_a_damaged_cache_entry_is_recompiled_not_fatal(tmp_path):
+    """Truncated or garbage cache files (a full disk, a killed process) cost one recompilation and one warning;
+    the next process finds a healthy cache again. Before: EOFError from every op, in every process."""
+    first = _child(str(tmp_path))
+    assert first.returncode == 0 and first.stdout.strip() == "ok", first.stderr
+    damaged = sorted(tmp_path.rglob("*.nb[ic]"))
+    assert damaged, "the first run must have cached its kernels"
+    for i, path in enumerate(damaged):
+        path.write_bytes(b"" if i % 2 else b"not a pickle")
+    second = _child(str(tmp_path))
+    assert second.returncode == 0 and second.stdout.strip() == "ok", second.stderr
+    assert second.stderr.count("damaged kernel cache entries") == 1, second.stderr
+    third = _child(str(tmp_path))
+    assert third.returncode == 0 and "damaged" not in third.stderr, third.stderr
+
+
+def test_an_unwritable_cache_folder_compiles_into_a_private_one(tmp_path):
+    """A cache folder that cannot be created (its parent is a file: unwritable even for root) gets one warning and
+    a private temporary folder, removed at exit; nothing is written beside the sources (numba's own fallback,
+    shared by every version of them)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    pycache = os.path.join(os.path.dirname(cpu.__file__), "__pycache__")
+    before = {f for f in os.listdir(pycache) if ".nb" in f} if os.path.isdir(pycache) else set()
+    proc = _child(str(blocker / "cache"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert proc.stderr.count("is not writable") == 1, proc.stderr
+    private = proc.stderr.split("kernels compile into ")[1].split()[0]
+    assert "gradops-numba-" in private and not os.path.exists(private)
+    after = {f for f in os.listdir(pycache) if ".nb" in f} if os.path.isdir(pycache) else set()
+    assert after == before
+
+
 # ---------------------------------------------------------------- determinism across thread counts
 def _thread_cases():
     """Shapes with more rows than row blocks (64) and an uneven split, duplicated embedding rows, K = 3."""

@@ -9,9 +9,13 @@ hence here, first.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
+import warnings
 
 
 def _sources_fingerprint() -> str:
@@ -37,12 +41,32 @@ def cache_dir() -> str:
     return base if os.path.basename(os.path.normpath(base)) == fingerprint else os.path.join(base, fingerprint)
 
 
-os.environ["NUMBA_CACHE_DIR"] = cache_dir()
+def _writable_cache_dir() -> str:
+    """:func:`cache_dir` when it can be created and written, else a private temporary folder for this process (and
+    its children), said once. numba itself would fall back to ``__pycache__`` beside these sources, a folder shared
+    by every version of them, where a kernel whose helper changed keeps its stale machine code."""
+    path = cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return path
+    except OSError as err:
+        private = tempfile.mkdtemp(prefix="gradops-numba-")
+        owner = os.getpid()
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(private, ignore_errors=True))
+        warnings.warn(f"gradops: the kernel cache folder {path} is not writable ({err.strerror or err}); "
+                      f"kernels compile into {private} for this process (set GRADOPS_CACHE_DIR to keep them)",
+                      RuntimeWarning, stacklevel=2)
+        return private
+
+
+os.environ["NUMBA_CACHE_DIR"] = _writable_cache_dir()
 if sys.modules.get("numba") is not None:  # numba read its config already: point the cache locator at our directory
     sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 import numba  # noqa: F401  (an ImportError here is how the dispatcher learns that numba is missing)
 
+from ._cache import harden
 from .embedding import (
     embedding_dense_backward,
     embedding_dense_backward_shaped,
@@ -72,6 +96,8 @@ from .moe_permute import (
     moe_token_unpermute_shaped,
 )
 from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_shaped, rms_norm_grad_workspace, rms_norm_shaped
+
+harden(__name__ + ".")  # a damaged cache entry is recompiled, never fatal
 
 __all__ = [
     "cache_dir", "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",
