@@ -228,6 +228,28 @@ def test_zero_epsilon_on_empty_rows_is_inf_not_an_exception(backend):
     assert mean_var[0].shape == (4, 0)
 
 
+def test_rows_without_columns_give_empty_gradients(backend):
+    """H = 0 is defined on every backend: empty pd_x / dx / res_for_gamma, empty dgamma / dbeta, and the
+    statistics still checked (the reference divided by H; the CPU backend failed to compile a (M, 1) variance)."""
+    z = t(4, 0)
+    pd_x, res = gradops.layer_norm_grad(z, z, t(4, 1) + 1, t(4, 1), t(0), 1e-5)
+    assert pd_x.shape == res.shape == (4, 0)
+    dx, dgamma, dbeta = gradops.layer_norm_backward(z, z, t(4), t(4) + 1, t(0))
+    assert dx.shape == (4, 0) and dgamma.shape == dbeta.shape == (0,)
+    dx, dgamma = gradops.rms_norm_grad(z, z, t(4) + 1, t(0))
+    assert dx.shape == (4, 0) and dgamma.shape == (0,)
+    with pytest.raises(gradops.OpError, match="variance"):
+        gradops.layer_norm_grad(z, z, t(4, 1) - 1, t(4, 1), t(0), 1e-5)
+
+
+def test_a_table_no_memory_can_hold_is_an_op_error(backend):
+    """num_weights alone sizes the result (V rows whatever the work): 2^40 rows x 4 float32 = 16 TiB cannot be
+    allocated, and the failure is an OpError naming num_weights and the size (was a bare MemoryError)."""
+    with pytest.raises(gradops.OpError, match=r"num_weights .*16\.0 TiB") as info:
+        gradops.embedding_dense_backward(t(0, 4), torch.zeros(0, dtype=torch.long), 2 ** 40, -1, False)
+    assert info.value.status == gradops.status.ACLNN_ERR_INNER_NULLPTR
+
+
 def test_interleaved_but_disjoint_out_is_accepted():
     """The overlap test is exact: strides (3, 2) over (2, 3) reach offsets 0 2 4 3 5 7, all distinct."""
     from gradops.contract._common import overlaps_itself

@@ -315,7 +315,7 @@ def _layer_norm_grad_run(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, 
                                      mean.data_ptr(), gamma.data_ptr(), STORAGE[gamma.dtype], float(epsilon),
                                      pdx.data_ptr(), res.data_ptr(), m, n, check)
     else:
-        bad = _first_below(variance.numpy(), float(epsilon)) if check else -1
+        bad = _first_below(variance.numpy().reshape(-1), float(epsilon)) if check else -1  # (M,) or (M, 1)
     if bad >= 0:
         raise statistic_error("layer_norm_grad", "variance", variance, float(epsilon))
 

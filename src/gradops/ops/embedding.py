@@ -7,6 +7,7 @@ from torch import Tensor
 from ..contract import embedding as contract
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table
+from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
 from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, run_into
 from ._plan import Planner
@@ -32,7 +33,24 @@ plan_embedding_dense_backward = Planner("embedding_dense_backward", contract.che
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                                    scale_grad_by_freq: bool) -> Tensor:
     plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return plan.run(plan.shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    try:
+        return plan.run(plan.shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    except (MemoryError, RuntimeError) as err:
+        raise too_large(err, num_weights, grad) from err
+
+
+def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseException:
+    """The one input that sizes memory by itself is num_weights (the result has V rows whatever the work): an
+    allocation that fails for it becomes an OpError saying how much was asked (CANN's answer to a failed
+    allocation is ACLNN_ERR_INNER_NULLPTR); any other error is returned as it is."""
+    if not isinstance(err, MemoryError) and "alloc" not in str(err).lower():
+        return err
+    nbytes = num_weights * grad.shape[-1] * grad.element_size()
+    size = next(f"{nbytes / 2 ** p:.1f} {u}" for p, u in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (0, "B"))
+                if nbytes >= 2 ** p or p == 0)
+    return OpError(ACLNN_ERR_INNER_NULLPTR, "embedding_dense_backward", "num_weights",
+                   f"a table {grad.device} memory can hold", f"{num_weights} rows x {grad.shape[-1]} "
+                   f"{str(grad.dtype).removeprefix('torch.')} = {size} ({type(err).__name__}: {err})")
 
 
 _embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)

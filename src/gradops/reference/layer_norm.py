@@ -35,7 +35,7 @@ def _grad_terms(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor
         pd_mean = sum_H(-pd_xl) * rstd + pd_var * (1/H) * sum_H(-2 * (x - mean))
         pd_x    = pd_xl * rstd + pd_var * (2/H) * (x - mean) + pd_mean / H
     """
-    h = x.shape[-1]
+    h = max(x.shape[-1], 1)  # H = 0: the sums are empty and pd_x has no columns; 1/H must not raise on the way
     xmu = x.to(compute) - mean.to(compute)
     pd_xl = dy.to(compute) * gamma.to(compute)
     pd_var = (-0.5 * pd_xl * xmu).sum(dim=-1, keepdim=True) * rstd ** 3
