@@ -88,6 +88,51 @@ def test_forked_child_falls_back_to_torch_instead_of_terminating():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
 
 
+_FORK_CHILD = """
+import os, torch, gradops
+from gradops import reference
+x = torch.randn(2048, 1024) * 4
+g = torch.randn(2048, 1024)
+rstd, gamma = torch.rand(2048) + 0.5, torch.randn(1024)
+gradops.hardswish_backward(g, x)            # the compiled kernels' parallel region in the parent
+torch.nn.functional.layer_norm(x, (1024,))  # and torch's own
+want = [reference.hardswish_backward(g, x).numpy().tobytes(),
+        reference.rms_norm_grad(g, x, rstd, gamma)[0].numpy().tobytes()]
+
+# 1. a plain fork: no torch call in the child but gradops' (any parallel region there hangs, torch's included)
+pid = os.fork()
+if pid == 0:
+    got = [gradops.hardswish_backward(g, x).numpy().tobytes(),
+           gradops.rms_norm_grad(g, x, rstd, gamma)[0].numpy().tobytes()]
+    os._exit(0 if got == want else 3)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "plain fork"
+
+# 2. fork-started DataLoader workers computing at parallel sizes
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return gradops.hardswish_backward(g, x)[i], gradops.rms_norm_grad(g, x, rstd, gamma)[0][i]
+
+loader = torch.utils.data.DataLoader(Rows(), batch_size=None, num_workers=2, multiprocessing_context="fork")
+ref_h, ref_r = reference.hardswish_backward(g, x), reference.rms_norm_grad(g, x, rstd, gamma)[0]
+for i, (h, r) in enumerate(loader):
+    assert torch.equal(h, ref_h[i]) and torch.equal(r, ref_r[i]), i
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_children_and_dataloader_workers_compute_serially():
+    """After the parent ran parallel regions, a forked child's parallel region hangs (GNU OpenMP does not survive
+    fork; torch's pool neither). gradops' ops in such a child compute with the reference on one thread: the same
+    bits as the reference, in a plain fork and in fork-started DataLoader workers. Before: the child hung."""
+    env = {k: v for k, v in os.environ.items() if k != "GRADOPS_BACKEND"}
+    proc = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_refuses_a_named_cpu_backend_with_561003(monkeypatch):
     """Naming ``cpu`` in such a child is a request the process cannot honour: an OpError saying why (issue 12.2),

@@ -21,6 +21,7 @@ module it was made with is no longer the one loaded, and in a forked child.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -136,6 +137,8 @@ def decide(op: str, device: torch.device) -> Choice:
     if name == "auto":
         first = _FIRST.get(device.type)
         chosen = _choice(op, first) if first and usable(first, device)[0] else None
+        if chosen is None and first == "cpu" and _forked_omp_child():
+            return _serially(_choice(op, "torch"))
         return chosen or _choice(op, "torch")
     ok, why = usable(name, device)
     if not ok:
@@ -143,6 +146,32 @@ def decide(op: str, device: torch.device) -> Choice:
     if name != "torch" and _module(name) is None:
         raise BackendUnavailable(op, name, _import_errors.get(name, f"importing {MODULES[name]} failed"))
     return _choice(op, name) or _choice(op, "torch")  # an op the backend lacks is the reference's (documented)
+
+
+def _forked_omp_child() -> bool:
+    host = sys.modules.get("gradops.cpu._host")
+    return host is not None and host.forked_omp_child()
+
+
+def _serially(choice: Choice) -> Choice:
+    """``choice`` with its function run on one torch thread. In a child forked after GNU OpenMP ran (a fork-started
+    DataLoader worker, a multiprocessing pool), any parallel region hangs: the compiled kernels' and torch's own
+    (measured: a 2048 x 1024 reference call never returned); one thread enters none. The previous thread count is
+    restored after each call, so the caller's own torch settings stand."""
+    fn = choice.fn
+
+    @functools.wraps(fn)
+    def serial(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return choice._replace(fn=serial)
 
 
 def select(op: str, device: torch.device) -> tuple[str, Callable]:
