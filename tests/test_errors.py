@@ -240,6 +240,14 @@ def test_rows_without_columns_give_empty_gradients(backend):
     assert dx.shape == (4, 0) and dgamma.shape == (0,)
     with pytest.raises(gradops.OpError, match="variance"):
         gradops.layer_norm_grad(z, z, t(4, 1) - 1, t(4, 1), t(0), 1e-5)
+    y, rstd = gradops.rms_norm(z, t(0), -1.0)  # rsqrt(0 - 1) = NaN, as the formula says; no exception
+    assert y.shape == (4, 0) and bool(rstd.isnan().all())
+
+
+def test_scratch_is_sized_by_the_work_not_the_table(backend):
+    """E = 0 with V = 2^31 + 1: the result is the empty (V, 0) table; no 16·V bytes of scratch are asked for."""
+    out = gradops.embedding_dense_backward(t(3, 0), torch.tensor([0, 5, 2 ** 31]), 2 ** 31 + 1, -1, True)
+    assert out.shape == (2 ** 31 + 1, 0)
 
 
 def test_a_table_no_memory_can_hold_is_an_op_error(backend):
