@@ -128,18 +128,23 @@ def test_formulas_are_recognised_by_code_not_comments_or_names():
     assert hf.rms_norm_style(GemmaRMSNorm) == "gemma" and hf.rms_norm_style(SneakyRMSNorm) is None
 
 
+def _before_and_after_patch(norm, rows: int, seed: int):
+    """A (64-wide) norm with a random weight on random bfloat16 rows: ``(norm, x, output before gradops.patch,
+    output after)``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=g))
+    x = torch.randn(rows, norm.weight.shape[-1], generator=g).bfloat16()
+    expected = norm(x)
+    gradops.patch(torch.nn.Sequential(norm))
+    return norm, x, expected, norm(x)
+
+
 def test_dtypes_outside_cann_table_run_transformers_forward():
     """A float32 weight beside bfloat16 input: transformers returns float32, so gradops keeps its forward."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    g = torch.Generator().manual_seed(2)
-    norm = LlamaRMSNorm(64)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(64, generator=g))
-    x = torch.randn(32, 64, generator=g).bfloat16()
-    expected = norm(x)
-    gradops.patch(torch.nn.Sequential(norm))
-    got = norm(x)
+    norm, x, expected, got = _before_and_after_patch(LlamaRMSNorm(64), rows=32, seed=2)
     assert got.dtype == expected.dtype == torch.float32 and torch.equal(got, expected)
     norm.bfloat16()
     y = norm(x)  # now in CANN's table: gradops.rms_norm, normalised and scaled in float32, rounded once
@@ -155,14 +160,7 @@ def test_gpt_oss_norm_is_bitwise_single_rounding_in_bf16():
     last bit apart from the sum order of the mean square."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
-    g = torch.Generator().manual_seed(3)
-    norm = GptOssRMSNorm(64).bfloat16()
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(64, generator=g))
-    x = torch.randn(16, 64, generator=g).bfloat16()
-    expected = norm(x)
-    gradops.patch(torch.nn.Sequential(norm))
-    got = norm(x)
+    _, _, expected, got = _before_and_after_patch(GptOssRMSNorm(64).bfloat16(), rows=16, seed=3)
     assert got.dtype == torch.bfloat16
     ulp = 2.0 ** -7 * expected.float().abs()  # one bf16 unit in the last place
     assert bool(((got.float() - expected.float()).abs() <= ulp).all())
