@@ -37,3 +37,20 @@ def backend(request, monkeypatch):
         pytest.skip("compiled CPU backend not installed (numba)")
     monkeypatch.setenv("GRADOPS_BACKEND", request.param)
     return request.param
+
+
+@pytest.fixture
+def decided(monkeypatch):
+    """``decided(name, module)``: make the one backend decision (:func:`gradops.backend.decide`, which every
+    surface's call plan runs) answer backend ``name`` with ``module``'s functions, for this test only. The
+    remembered choices and call plans are dropped on the way in and out, so no other test sees the substitute."""
+    from gradops import backend
+
+    def use(name, module):
+        monkeypatch.setattr(backend, "decide", lambda op, device: backend.Choice(
+            name, getattr(module, op), getattr(module, f"{op}_workspace", None)))
+        backend.forget()
+
+    yield use
+    monkeypatch.undo()
+    backend.forget()

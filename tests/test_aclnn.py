@@ -301,7 +301,7 @@ def test_every_status_constant_is_exported():
 
 # ---------------------------------------------------------------------- executor, workspace and stream protocol
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, decided):
     """A backend whose hardswish_backward needs 96 bytes of workspace and records what it receives."""
     mod = types.ModuleType("gradops_test_fake_backend")
     record = types.SimpleNamespace(need=96, workspaces=[], streams=[], fail=None)
@@ -323,7 +323,7 @@ def fake(monkeypatch):
     mod.hardswish_backward, mod.hardswish_backward_workspace = hardswish_backward, hardswish_backward_workspace
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setitem(backend.MODULES, "fake", mod.__name__)
-    monkeypatch.setattr(backend, "select", lambda op, device: ("fake", getattr(mod, op)))
+    decided("fake", mod)
     return record
 
 

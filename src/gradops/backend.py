@@ -130,10 +130,12 @@ def decide(op: str, device: torch.device) -> Choice:
     """The backend that runs ``op`` for tensors on ``device`` (see the module docstring for the rules).
 
     Raises:
-        ValueError: ``GRADOPS_BACKEND`` names no backend.
-        BackendUnavailable: the backend it names cannot run here.
+        BackendUnavailable: ``GRADOPS_BACKEND`` names no backend, or one that cannot run here.
     """
-    name = requested()
+    try:
+        name = requested()
+    except ValueError as e:  # the same error as a backend that cannot run: 561003 on the CANN surfaces
+        raise _unavailable(op, os.environ.get(ENV, ""), f"{e} [{op}]") from None
     if name == "auto":
         first = _FIRST.get(device.type)
         chosen = _choice(op, first) if first and usable(first, device)[0] else None

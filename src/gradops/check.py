@@ -175,7 +175,7 @@ def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: i
 
     case = _cases(op, dtype, device, m, n, torch.Generator().manual_seed(seed))
     with _backend(name):
-        used, _ = backend.select(op, device)
+        used = backend.choose(op, device).name  # what the op's call plan runs (ops/_plan.py)
         out = getattr(gradops, op)(*case.args)
     out = out if isinstance(out, tuple) else (out,)
     ref = getattr(reference, op)(*map(_f64, case.ref_args), **({} if op == "moe_token_permute" else {"compute": F64}))

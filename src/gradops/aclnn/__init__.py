@@ -13,8 +13,9 @@ becomes::
 Tensors are torch tensors (an ``aclTensor*`` that is NULL is ``None``); the workspace is a tensor of at least
 ``workspaceSize`` bytes (any dtype, read as bytes) or ``None`` when the size is 0; results are written into
 the out tensors. Nothing here raises for bad arguments: every call returns a status (``ACLNN_*`` below) and
-:func:`aclGetRecentErrMsg` says why. Validation is the same table the PyTorch API uses (:mod:`gradops.contract`),
-in its CANN-strict form; the work runs in the implementation :func:`gradops.backend.select` picks.
+:func:`aclGetRecentErrMsg` says why. Phase 1 runs the op's call plan, the one the PyTorch API runs
+(:mod:`gradops.ops._plan`): the same validation table (:mod:`gradops.contract`) in its CANN-strict form, and the
+same backend decision; the work runs in the implementation it chose.
 """
 
 from ..status import (

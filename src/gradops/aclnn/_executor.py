@@ -1,7 +1,8 @@
 """The aclOpExecutor and the two phases every aclnn operator shares.
 
-Phase 1 (``aclnnXxxGetWorkspaceSize``) validates with the op's table in :mod:`gradops.contract` (``cann=True``),
-chooses the implementation once (:func:`gradops.backend.select`), asks it how much scratch memory it needs and
+Phase 1 (``aclnnXxxGetWorkspaceSize``) plans the call with the op's call plan (:func:`plan`, the one the functional
+API runs, :mod:`gradops.ops._plan`: the op's table in :mod:`gradops.contract` in its CANN-strict form, ``cann=True``,
+and the one backend decision), asks the chosen implementation how much scratch memory it needs and
 returns ``(status, workspace_size, executor)``. Phase 2 (``aclnnXxx(workspace, workspaceSize, executor,
 stream)``) runs the bound work and writes the results into the caller's out tensors. Neither phase raises for
 bad arguments: both return a status, and :func:`aclGetRecentErrMsg` gives the message of the last refusal.
@@ -28,7 +29,6 @@ Status choices where CANN leaves the behaviour undefined (a C caller gets memory
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -38,9 +38,9 @@ import torch
 from .. import backend
 from ..contract._common import overlaps_itself
 from ..ops._out import takes_out
+from ..ops._plan import CallPlan, Planner
 from ..status import (
     ACLNN_ERR_INNER,
-    ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
     ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_PARAM_NULLPTR,
     ACLNN_ERR_RUNTIME_ERROR,
@@ -165,22 +165,25 @@ def aclDestroyAclOpExecutor(executor: aclOpExecutor | None) -> int:
     return ACLNN_SUCCESS
 
 
-def _implementation(op: str, device: torch.device) -> tuple[str, Callable, Callable | None]:
-    """``(backend name, op function, workspace hook or None)``; the hook is ``<op>_workspace`` on the backend's
-    module (see the common workspace protocol: same positional args, returns bytes)."""
-    name, fn = backend.select(op, device)
-    module = importlib.import_module(backend.MODULES[name])
-    return name, fn, getattr(module, f"{op}_workspace", None)
-
-
 #: Alignment of the result buffers carved from the workspace (cache line; CANN aligns workspaces to 512 bytes).
 _ALIGN = 64
 
 
-def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute,
+def plan(planner: Planner, *args, **outs: torch.Tensor) -> CallPlan:
+    """Phase 1's validation and backend decision: the op's call plan (:mod:`gradops.ops._plan`, the one the
+    functional API runs) with the CANN-strict check of the same table and the caller's out tensors.
+
+    Raises:
+        OpError: the refusal (its status: 161001 / 161002 / 561002; 561003 when ``GRADOPS_BACKEND`` names no
+            backend or one that cannot run here).
+    """
+    return planner(*args, cann=True, **outs)
+
+
+def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Sequence, compute: Compute,
             outs: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None,
             inputs: dict[str, torch.Tensor] | None = None) -> tuple[int, int, aclOpExecutor | None]:
-    """Phase 1 after validation: bind ``compute`` to the chosen implementation and size its workspace.
+    """Phase 1 after validation: bind ``compute`` to the plan's implementation and size its workspace.
 
     The results are written straight into the caller's out tensors: an implementation that takes ``out=`` gets
     views of them in its result shapes. An out tensor that has no such view (not contiguous) gets a buffer carved
@@ -191,6 +194,7 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
     Args:
         op: the backend op name (``"rms_norm_grad"``, ...).
         device: the device of the tensors.
+        choice: the backend the op's call plan chose (``plan.backend``): its function and workspace hook.
         size_args: the positional args the implementation will receive (stand-ins with the right metadata where
             the real ones depend on data, e.g. converted indices), passed to the workspace hook.
         compute: called at run time as ``compute(impl, kwargs)`` and returns the implementation's results;
@@ -208,10 +212,7 @@ def prepare(op: str, device: torch.device, size_args: Sequence, compute: Compute
         if overlaps_itself(t):
             return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} must have one memory location per element, got "
                            f"strides {tuple(t.stride())} for shape {tuple(t.shape)}"), 0, None
-    try:
-        name, fn, hook = _implementation(op, device)
-    except (RuntimeError, ValueError, ImportError, KeyError) as e:  # GRADOPS_BACKEND names nothing usable
-        return _refuse(ACLNN_ERR_INNER_FIND_KERNEL_ERROR, f"{op}: no implementation: {e}"), 0, None
+    name, fn, hook = choice
     try:
         scratch = int(hook(*size_args)) if hook is not None else 0
     except Exception as e:

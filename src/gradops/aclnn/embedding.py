@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..contract.embedding import check_embedding_dense_backward, checked_indices
+from ..contract.embedding import checked_indices
+from ..ops.embedding import plan_embedding_dense_backward
 from ..status import ACLNN_ERR_PARAM_INVALID, OpError
-from ._executor import aclOpExecutor, execute, prepare, refused
+from ._executor import aclOpExecutor, execute, plan, prepare, refused
 
 _OP = "embedding_dense_backward"
 _UINT64 = 1 << 64
@@ -52,13 +53,13 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
     """
     padding = as_int64(paddingIdx)
     try:
-        rows, dim = check_embedding_dense_backward(grad, indices, numWeights, padding, scaleGradByFreq, out=out,
-                                                   cann=True)
+        called = plan(plan_embedding_dense_backward, grad, indices, numWeights, padding, scaleGradByFreq, out=out)
         if numWeights >= _UINT64 or not _INT64_MIN <= padding < _UINT64:
             raise OpError(ACLNN_ERR_PARAM_INVALID, _OP, "numWeights/paddingIdx", "uint64 values",
                           f"numWeights={numWeights}, paddingIdx={paddingIdx}")
     except OpError as e:
         return refused(e)
+    rows, dim = called.shape
     device = grad.device
 
     def args(idx):
@@ -70,7 +71,8 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
 
     # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
     stand_in = torch.zeros((), dtype=torch.int64, device=device).expand(rows)
-    return prepare(_OP, device, args(stand_in), compute, {"out": out}, inputs={"grad": grad, "indices": indices})
+    return prepare(_OP, device, called.backend, args(stand_in), compute, {"out": out},
+                   inputs={"grad": grad, "indices": indices})
 
 
 def aclnnEmbeddingDenseBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

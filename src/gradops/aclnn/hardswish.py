@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..contract.hardswish import check_hardswish_backward
+from ..ops.hardswish import plan_hardswish_backward
 from ..status import OpError
-from ._executor import aclOpExecutor, execute, prepare, refused
+from ._executor import aclOpExecutor, execute, plan, prepare, refused
 
 
 def aclnnHardswishBackwardGetWorkspaceSize(gradOutput: Tensor, self: Tensor,
@@ -23,14 +23,14 @@ def aclnnHardswishBackwardGetWorkspaceSize(gradOutput: Tensor, self: Tensor,
         ``(status, workspace_size, executor)``: 161001 for a None tensor, 161002 for a dtype or shape mismatch.
     """
     try:
-        check_hardswish_backward(gradOutput, self, out=out, cann=True)
+        choice = plan(plan_hardswish_backward, gradOutput, self, out=out).backend
     except OpError as e:
         return refused(e)
 
     def compute(impl, kw):
         return impl(gradOutput, self, **kw)
 
-    return prepare("hardswish_backward", self.device, (gradOutput, self), compute, {"out": out},
+    return prepare("hardswish_backward", self.device, choice, (gradOutput, self), compute, {"out": out},
                    inputs={"gradOutput": gradOutput, "self": self})
 
 

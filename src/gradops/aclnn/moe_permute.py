@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..contract.moe_permute import check_moe_token_permute, check_moe_token_permute_grad, checked_sorted_indices
+from ..contract.moe_permute import checked_sorted_indices
+from ..ops.moe_permute import plan_moe_token_permute, plan_moe_token_permute_grad
 from ..status import OpError
-from ._executor import aclOpExecutor, execute, prepare, refused
+from ._executor import aclOpExecutor, execute, plan, prepare, refused
 
 
 def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedIndices: Tensor, numTopk: int,
@@ -34,8 +35,8 @@ def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedI
         ``(status, workspace_size, executor)``.
     """
     try:
-        check_moe_token_permute_grad(permutedOutputGrad, sortedIndices, numTopk, paddedModeOptional, out=out,
-                                     cann=True)
+        choice = plan(plan_moe_token_permute_grad, permutedOutputGrad, sortedIndices, numTopk, paddedModeOptional,
+                      out=out).backend
     except OpError as e:
         return refused(e)
     args = (permutedOutputGrad, sortedIndices, numTopk)
@@ -44,7 +45,7 @@ def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedI
         checked_sorted_indices(sortedIndices)
         return impl(*args, **kw)
 
-    return prepare("moe_token_permute_grad", permutedOutputGrad.device, args, compute, {"out": out},
+    return prepare("moe_token_permute_grad", permutedOutputGrad.device, choice, args, compute, {"out": out},
                    inputs={"permutedOutputGrad": permutedOutputGrad, "sortedIndices": sortedIndices})
 
 
@@ -70,16 +71,16 @@ def aclnnMoeTokenPermuteGetWorkspaceSize(tokens: Tensor, indices: Tensor, numOut
         ``(status, workspace_size, executor)``.
     """
     try:
-        plan = check_moe_token_permute(tokens, indices, numOutTokens, paddedMode, permuted=permuteTokensOut,
-                                       sorted_indices=sortedIndicesOut, cann=True)
+        called = plan(plan_moe_token_permute, tokens, indices, numOutTokens, paddedMode, permuted=permuteTokensOut,
+                      sorted_indices=sortedIndicesOut)
     except OpError as e:
         return refused(e)
-    args = (tokens, indices, plan.rows)
+    args = (tokens, indices, called.shape.rows)
 
     def compute(impl, kw):
         return impl(*args, **kw)
 
-    return prepare("moe_token_permute", tokens.device, args, compute,
+    return prepare("moe_token_permute", tokens.device, called.backend, args, compute,
                    {"permuteTokensOut": permuteTokensOut, "sortedIndicesOut": sortedIndicesOut},
                    inputs={"tokens": tokens, "indices": indices})
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..contract.rms_norm import check_rms_norm, check_rms_norm_grad
+from ..ops.rms_norm import plan_rms_norm, plan_rms_norm_grad
 from ..status import OpError
-from ._executor import aclOpExecutor, execute, prepare, refused
+from ._executor import aclOpExecutor, execute, plan, prepare, refused
 
 
 def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, dxOut: Tensor,
@@ -29,9 +29,10 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
         ``(status, workspace_size, executor)``: 0 and an executor, or (161001 | 161002 | 561002, 0, None).
     """
     try:
-        rows, cols, _ = check_rms_norm_grad(dy, x, rstd, gamma, dx=dxOut, dgamma=dgammaOut, cann=True)
+        called = plan(plan_rms_norm_grad, dy, x, rstd, gamma, dx=dxOut, dgamma=dgammaOut)
     except OpError as e:
         return refused(e)
+    rows, cols, _ = called.shape
 
     def args():
         return dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols)
@@ -39,7 +40,7 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
     def compute(impl, kw):
         return impl(*args(), **kw)
 
-    return prepare("rms_norm_grad", x.device, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
+    return prepare("rms_norm_grad", x.device, called.backend, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
                    {"dxOut": (rows, cols), "dgammaOut": (cols,)},
                    inputs={"dy": dy, "x": x, "rstd": rstd, "gamma": gamma})
 
@@ -62,9 +63,10 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
         ``(status, workspace_size, executor)``.
     """
     try:
-        rows, cols, _ = check_rms_norm(x, gamma, epsilon, y=yOut, rstd=rstdOut, cann=True)
+        called = plan(plan_rms_norm, x, gamma, epsilon, y=yOut, rstd=rstdOut)
     except OpError as e:
         return refused(e)
+    rows, cols, _ = called.shape
 
     def args():
         return x.reshape(rows, cols), gamma.reshape(cols), float(epsilon)
@@ -72,7 +74,7 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
     def compute(impl, kw):
         return impl(*args(), **kw)
 
-    return prepare("rms_norm", x.device, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
+    return prepare("rms_norm", x.device, called.backend, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
                    {"yOut": (rows, cols), "rstdOut": (rows,)}, inputs={"x": x, "gamma": gamma})
 
 

@@ -15,7 +15,10 @@ caller's temporary buffer, so that buffer use, summation order and side effects 
   ``gammaTempTensorPos`` / ``betaTempTensorPos`` in the buffer), and the outputs get ``half(accumulator)`` after
   every chunk, so the result is ``half(float32 sum)``. isReuseSource is refused for half.
 
-Misuse raises :class:`~gradops.status.OpError` (status 161002; AscendC asserts instead).
+That walk is this surface's own arithmetic, so LayerNormGradBeta uses the op's validation table (CANN-strict form)
+and no backend; LayerNormGrad, whose tiling only schedules the formula, runs through the op's call plan like
+:func:`gradops.layer_norm_grad`. Misuse raises :class:`~gradops.status.OpError` (status 161002; AscendC asserts
+instead).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backend import select
 from ..contract._common import fail, require_dtype, require_present, require_same_device, shape_text
-from ..contract.layer_norm import check_layer_norm_grad, check_layer_norm_grad_beta
+from ..contract.layer_norm import check_layer_norm_grad_beta
+from ..ops.layer_norm import plan_layer_norm_grad
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from .tiling import LayerNormGradBetaTiling
@@ -184,8 +187,9 @@ def LayerNormGrad(outputPdX: Tensor, resForGamma: Tensor, inputDy: Tensor, input
     """AscendC LayerNormGrad: writes ``pd_x`` and ``resForGamma = (x - mean) * (variance + epsilon)^-0.5``.
 
     The formula is AscendC's, term by term (``pd_var``, ``pd_mean`` with its ``sum(x - mean)`` term; see
-    :mod:`gradops.reference.layer_norm`), run by the implementation :func:`gradops.backend.select` picks. The
-    LayerNormGrad tiling and temporary buffer only schedule the same arithmetic on the NPU and are not ported.
+    :mod:`gradops.reference.layer_norm`), validated and run by the op's call plan (:mod:`gradops.ops._plan`: the
+    table's CANN-strict check and the backend :func:`gradops.layer_norm_grad` runs). The LayerNormGrad tiling and
+    temporary buffer only schedule the same arithmetic on the NPU and are not ported.
 
     Args:
         outputPdX, resForGamma: outputs of x's shape and dtype, not overlapping each other.
@@ -197,7 +201,7 @@ def LayerNormGrad(outputPdX: Tensor, resForGamma: Tensor, inputDy: Tensor, input
     op = "LayerNormGrad"
     require_present(op, outputPdX=outputPdX, resForGamma=resForGamma)
     try:
-        rows, cols = check_layer_norm_grad(inputDy, inputX, inputVariance, inputMean, inputGamma, epsilon, cann=True)
+        called = plan_layer_norm_grad(inputDy, inputX, inputVariance, inputMean, inputGamma, epsilon, cann=True)
     except OpError as e:
         raise e.renamed(_GRAD_NAMES, op) from None
     require_same_device(op, inputX=inputX, outputPdX=outputPdX, resForGamma=resForGamma)
@@ -207,9 +211,9 @@ def LayerNormGrad(outputPdX: Tensor, resForGamma: Tensor, inputDy: Tensor, input
             raise fail(INVALID, op, f"{name}.shape", shape_text(inputX.shape) + " (the shape of inputX)",
                        shape_text(out.shape))
     _check_outputs_disjoint(op, outputPdX=outputPdX, resForGamma=resForGamma)
-    _, impl = select("layer_norm_grad", inputX.device)
+    rows, cols = called.shape
     with torch.no_grad():
-        pdx, res = impl(inputDy.reshape(rows, cols), inputX.reshape(rows, cols), inputVariance.reshape(rows),
-                        inputMean.reshape(rows), inputGamma, float(epsilon))
+        pdx, res = called.backend.fn(inputDy.reshape(rows, cols), inputX.reshape(rows, cols),
+                                     inputVariance.reshape(rows), inputMean.reshape(rows), inputGamma, float(epsilon))
         outputPdX.copy_(pdx.reshape(inputX.shape))
         resForGamma.copy_(res.reshape(inputX.shape))

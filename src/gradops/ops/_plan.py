@@ -64,24 +64,32 @@ class Planner:
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
         _PLANNERS.append(self)
 
-    def __call__(self, *args: Any) -> CallPlan:
+    def __call__(self, *args: Any, **options: Any) -> CallPlan:
+        """The plan for a call with positional ``args``. ``options`` go to the check as keywords: the CANN
+        surfaces (aclnn phase 1, AscendC) pass ``cann=True`` and their out tensors, so that they validate with the
+        strict form of the same table and run the same backend decision; such a plan is not remembered (the out
+        tensors are part of what is checked, and a CANN caller plans once per executor, not per step)."""
+        if options:
+            return self._plan(self.check(*args, **options), args)[0]
         key = key_of(args)
         if key is not None:
             key = (environment_key(), key)
             hit = self._plans.get(key)
             if hit is not None and sys.modules.get(hit[1]) is hit[2]:
                 return hit[0]
-        shape = self.check(*args)  # a refusal raises here: never remembered
+        entry = self._plan(self.check(*args), args)  # a refusal raises in the check: never remembered
+        if key is not None:
+            if len(self._plans) >= LIMIT:
+                self._plans.clear()
+            self._plans[key] = entry
+        return entry[0]
+
+    def _plan(self, shape: Any, args: tuple) -> tuple[CallPlan, str, object]:
         choice, token, module = choose_with_token(self.op, args[self.device_arg].device)
         run = shaped(self.op, choice)
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
-        plan = CallPlan(shape, choice, run)
-        if key is not None:
-            if len(self._plans) >= LIMIT:
-                self._plans.clear()
-            self._plans[key] = (plan, token, module)
-        return plan
+        return CallPlan(shape, choice, run), token, module
 
     def forget(self) -> None:
         """Drop the remembered plans."""
