@@ -8,7 +8,8 @@ Providers (all compute the same gradients from the same inputs):
   faults) is timed, as it is for eager;
 - ``gradops out=``: the public function writing into preallocated outputs (no allocation in the timed call);
 - ``eager``: the natural PyTorch way (autograd of ``F.rms_norm``, ``aten.native_layer_norm_backward``,
-  ``aten.hardswish_backward``, ``aten.embedding_dense_backward``, Megatron's ``index_add_`` for MoE);
+  ``aten.hardswish_backward``, ``aten.embedding_dense_backward``, Megatron's ``index_add_`` for the MoE permute,
+  autograd of the gather-weight-sum for the unpermute);
 - ``compile``: ``torch.compile`` of gradops' pure-torch reference of the op (inductor; C++ on CPU, Triton on GPU);
 - ``liger``: Liger-Kernel's autograd function where it has the op (GPU only, when importable);
 - ``copy_``: ``dst.copy_(src)`` of the op's largest tensor, the bandwidth yardstick of the same run.
@@ -21,6 +22,7 @@ Byte floors (s = element size, what each GB/s figure divides by; see docs/perfor
 - hardswish_backward: ``3·n·s``
 - embedding_dense_backward: ``T·D·s + V·D·s + 8T``
 - moe_token_permute_grad: ``T·K·H·s + T·H·s + 4·T·K``
+- moe_token_unpermute_grad: ``2·T·K·H·s + T·H·s + 4·T·K + 2·T·K·s``
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 import gradops
 from gradops import reference
+from gradops.registry import BENCH
 
 aten = torch.ops.aten
 #: The CPU output pool's switch (gradops.cpu._pool.ENV; spelled here so the bench imports without numba).
@@ -49,6 +52,7 @@ SHAPES = {
         "hardswish_backward": [{"n": 32 * 1024 * 1024}],
         "embedding_dense_backward": [{"T": 16384, "D": 1024, "V": 32000}, {"T": 16384, "D": 1024, "V": 256000}],
         "moe_token_permute_grad": [{"T": 8192, "K": 8, "H": 2048}],
+        "moe_token_unpermute_grad": [{"T": 8192, "K": 8, "H": 2048}],
     },
     "cuda": {
         "rms_norm_grad": [{"M": m, "N": n} for m, n in ((4096, 2048), (16384, 4096), (16384, 8192), (65536, 4096),
@@ -60,6 +64,8 @@ SHAPES = {
         "embedding_dense_backward": [{"T": 16384, "D": 4096, "V": v} for v in (32000, 128256, 256000)],
         "moe_token_permute_grad": [{"T": 16384, "K": 2, "H": 4096}, {"T": 4096, "K": 8, "H": 7168},
                                    {"T": 8192, "K": 8, "H": 4096}],
+        "moe_token_unpermute_grad": [{"T": 16384, "K": 2, "H": 4096}, {"T": 4096, "K": 8, "H": 7168},
+                                     {"T": 8192, "K": 8, "H": 4096}],
     },
     "quick": {
         "rms_norm_grad": [{"M": 256, "N": 512}],
@@ -68,9 +74,10 @@ SHAPES = {
         "hardswish_backward": [{"n": 1 << 17}],
         "embedding_dense_backward": [{"T": 512, "D": 128, "V": 2000}],
         "moe_token_permute_grad": [{"T": 256, "K": 4, "H": 256}],
+        "moe_token_unpermute_grad": [{"T": 256, "K": 4, "H": 256}],
     },
 }
-OPS = tuple(SHAPES["cpu"])
+OPS = BENCH  # every case, in the registry's order (tests/test_registry.py: each has shapes and a builder)
 
 
 @dataclass
@@ -229,10 +236,36 @@ def _moe_token_permute_grad(shape, dtype, device, peers) -> Case:
     return case
 
 
+def _moe_token_unpermute_grad(shape, dtype, device, peers) -> Case:
+    t, k, h = shape["T"], shape["K"], shape["H"]
+    s = torch.finfo(dtype).bits // 8
+    permuted = torch.randn(t * k, h, dtype=dtype, device=device)
+    grad = torch.randn(t, h, dtype=dtype, device=device)
+    sorted_indices = torch.randperm(t * k, device=device).to(torch.int32)
+    probs = torch.rand(t, k, dtype=dtype, device=device)
+    outs = (torch.empty_like(permuted), torch.empty_like(probs))
+    # The eager twin: autograd of the unpermute written in torch ops (gather the K copies of each token, weight,
+    # sum), the graph built once and its backward replayed; index_select's backward is an index_add_ into zeros.
+    p_leaf, w_leaf = permuted.clone().requires_grad_(), probs.clone().requires_grad_()
+    picked = p_leaf.index_select(0, sorted_indices.long()).view(t, k, h)
+    merged = (picked * w_leaf.unsqueeze(-1)).sum(1)
+    nbytes = 2 * t * k * h * s + t * h * s + 4 * t * k + 2 * t * k * s
+    case = Case("moe_token_unpermute_grad", shape, dtype, nbytes, t * k * h)
+    case.providers["gradops"] = lambda: gradops.moe_token_unpermute_grad(permuted, grad, sorted_indices, probs)
+    case.providers["gradops out="] = lambda: gradops.moe_token_unpermute_grad(permuted, grad, sorted_indices, probs,
+                                                                              out=outs)
+    case.providers["eager"] = lambda: torch.autograd.grad(merged, (p_leaf, w_leaf), grad, retain_graph=True)
+    if "compile" in peers and (fn := _compiled(reference.moe_token_unpermute_grad, case.notes)):
+        case.providers["compile"] = lambda: fn(permuted, grad, sorted_indices, probs)
+    return case
+
+
+#: One builder per ``gradops bench`` case, named as :data:`gradops.registry.BENCH` names them.
 BUILDERS = {
     "rms_norm_grad": _rms_norm_grad, "layer_norm_backward": _layer_norm_backward,
     "layer_norm_grad+beta": _layer_norm_grad_beta, "hardswish_backward": _hardswish_backward,
     "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute_grad": _moe_token_permute_grad,
+    "moe_token_unpermute_grad": _moe_token_unpermute_grad,
 }
 
 
