@@ -1,0 +1,99 @@
+"""gradops.distributed on torch.distributed: expert-parallel dispatch / combine over 2 and 4 gloo processes (file
+store), each result and gradient equal to a single-process run over the same tokens (issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_workers as w
+import gradops
+from gradops import distributed
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request, tmp_path_factory):
+    """Run every scenario of dist_workers in ``world`` spawned processes; the directory of what they saved."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"world{world}")
+    try:
+        mp.start_processes(w.run, args=(world, str(out / "store"), str(out)), nprocs=world, join=True,
+                           start_method="spawn")
+    except mp.ProcessRaisedException:
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-*.txt")))
+        pytest.fail(f"a rank failed:\n{errors}")
+    return world, out
+
+
+def single_process(kind: str) -> dict:
+    g = torch.Generator().manual_seed(2)
+    tokens, upstream = torch.randn(24, w.H, generator=g), torch.randn(24, w.H, generator=g)
+    ids, probs = w.routing(kind, 24)
+    return w.ep_step(tokens, ids, probs, upstream, w.experts(), range(w.E))
+
+
+@pytest.mark.parametrize("kind, empty_rank", [("random", 0), ("skewed", 0), ("one_rank", 0), ("random", 1)])
+def test_dispatch_combine_equal_a_single_process_run_bit_for_bit(ranks, kind, empty_rank):
+    """Outputs, token and probs gradients, and every expert's weight gradient: the same bits as one process over
+    all tokens and experts (rows reach each expert in global token order, sums run in the same order)."""
+    world, out = ranks
+    whole = single_process(kind)
+    per = w.E // world
+    for rank in range(world):
+        got = torch.load(out / f"ep-{kind}-{empty_rank}-{rank}.pt")
+        lo, hi = got["span"].tolist()
+        for name in ("out", "tokens", "probs"):
+            assert torch.equal(got[name], whole[name][lo:hi]), (rank, name)
+        experts = range(rank * per, (rank + 1) * per)
+        counts = whole["counts"][rank * per:(rank + 1) * per]
+        assert torch.equal(got["counts"], counts), rank
+        start = int(whole["counts"][:rank * per].sum())
+        assert torch.equal(got["rows"], whole["rows"][start:start + int(counts.sum())]), rank
+        for e in experts:
+            assert torch.equal(got[f"w{e}"], whole[f"w{e}"]) and torch.equal(got[f"b{e}"], whole[f"b{e}"]), (rank, e)
+
+
+def test_each_rank_owns_a_contiguous_block_of_experts(ranks):
+    world, out = ranks
+    per = w.E // world
+    for rank in range(world):
+        assert torch.load(out / f"dispatcher-{rank}.pt")["local"].tolist() == [rank * per, (rank + 1) * per]
+
+
+def test_world_size_one_is_the_local_permute_and_unpermute():
+    x, ids, probs = torch.randn(6, 4), torch.tensor([[1, 0], [2, 1], [0, 3], [3, 2], [1, 3], [0, 2]]), torch.rand(6, 2)
+    rows, counts, handle = distributed.dispatch(x, ids, 4)
+    permuted, sorted_indices = gradops.moe_token_permute(x, ids)
+    assert torch.equal(rows, permuted) and torch.equal(handle.sorted_indices, sorted_indices)
+    assert counts.tolist() == [3, 3, 3, 3] and handle.regroup is None
+    assert torch.equal(distributed.combine(rows, handle, probs), gradops.moe_token_unpermute(permuted, sorted_indices,
+                                                                                             probs))
+    assert torch.equal(distributed.combine(rows, handle), gradops.moe_token_unpermute(permuted, sorted_indices,
+                                                                                      torch.ones(6, 2)))
+
+
+@pytest.mark.parametrize("args, arg", [
+    ((torch.randn(4), torch.zeros(4, dtype=torch.long), 4), "tokens"),
+    ((torch.randn(4, 2), torch.zeros(4), 4), "topk_ids"),
+    ((torch.randn(4, 2), torch.zeros(3, 2, dtype=torch.long), 4), "topk_ids.shape"),
+    ((torch.randn(4, 2), torch.zeros(4, 2, dtype=torch.long), 0), "num_experts"),
+    ((torch.randn(4, 2), torch.full((4, 2), 4), 4), "topk_ids"),
+    ((torch.randn(4, 2), torch.full((4, 2), -1), 4), "topk_ids"),
+])
+def test_dispatch_refuses_what_it_cannot_route(args, arg):
+    with pytest.raises(gradops.OpError) as info:
+        distributed.dispatch(*args)
+    assert info.value.arg == arg and info.value.status == 161002
+
+
+def test_combine_refuses_rows_that_do_not_match_the_dispatch():
+    _, _, handle = distributed.dispatch(torch.randn(3, 4), torch.tensor([0, 1, 0]), 2)
+    with pytest.raises(gradops.OpError, match="expert_output"):
+        distributed.combine(torch.randn(2, 4), handle)
+    dispatcher = distributed.TokenDispatcher(2)
+    with pytest.raises(RuntimeError, match="no dispatch"):
+        dispatcher.combine(torch.randn(3, 4))
