@@ -65,6 +65,8 @@ def run(rank: int, world: int, store: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
             _scenarios(rank, world, Path(out))
+            _dtensor(rank, world, Path(out))
+            _fsdp(rank, world, Path(out))
         finally:
             dist.destroy_process_group()
     except Exception:
@@ -89,3 +91,119 @@ def _scenarios(rank: int, world: int, out: Path) -> None:
     dispatcher = distributed.TokenDispatcher(E)
     torch.save({"local": torch.tensor([dispatcher.local_experts.start, dispatcher.local_experts.stop])},
                out / f"dispatcher-{rank}.pt")
+
+
+def sharded_case(wrap, full) -> dict:
+    """Norms, hardswish, embedding and the MoE permute pair, forward + backward, with each input placed by
+    ``wrap(tensor, placement name)`` (a DTensor, or the tensor itself for the unsharded run); ``full`` turns a
+    result back into a plain tensor. Placements: rows of the norms by sequence (dim 1), hardswish by hidden,
+    embedding by tokens, MoE by hidden."""
+    import gradops
+
+    g = torch.Generator().manual_seed(5)
+    x, up = torch.randn(4, 6, H, generator=g), torch.randn(4, 6, H, generator=g)
+    gamma, beta = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    table, idx = torch.randn(10, H, generator=g), torch.randint(0, 10, (12,), generator=g)
+    tokens, probs = torch.randn(6, H, generator=g), torch.rand(6, 2, generator=g)
+    experts = torch.randint(0, 4, (6, 2), generator=g)
+    found = {}
+
+    def leaf(t, placement):
+        return wrap(t.clone(), placement).requires_grad_()
+
+    xs, gs, bs, ups = leaf(x, "seq"), leaf(gamma, "rep"), leaf(beta, "rep"), wrap(up, "seq")
+    y, rstd = gradops.rms_norm(xs, gs)
+    (y * ups).sum().backward()
+    found |= {"rms.y": full(y), "rms.rstd": full(rstd), "rms.dx": full(xs.grad), "rms.dgamma": full(gs.grad)}
+
+    xs, gs = leaf(x, "seq"), leaf(gamma, "rep")
+    y, mean, var = gradops.layer_norm(xs, gs, bs, 1e-5)
+    (y * ups).sum().backward()
+    found |= {"ln.y": full(y), "ln.mean": full(mean), "ln.var": full(var), "ln.dx": full(xs.grad),
+              "ln.dgamma": full(gs.grad), "ln.dbeta": full(bs.grad)}
+
+    xs = leaf(x, "hidden")
+    y = gradops.hardswish(xs)
+    (y * wrap(up, "hidden")).sum().backward()
+    found |= {"hsw.y": full(y), "hsw.dx": full(xs.grad)}
+
+    ts = leaf(table, "rep")
+    y = gradops.embedding(ts, wrap(idx, "tokens"))
+    (y * wrap(up.reshape(-1, H)[:12], "tokens")).sum().backward()
+    found |= {"emb.y": full(y), "emb.dtable": full(ts.grad)}
+
+    tk, pr = leaf(tokens, "cols"), leaf(probs, "rep")
+    permuted, sorted_indices = gradops.moe_token_permute(tk, wrap(experts, "rep"))
+    merged = gradops.moe_token_unpermute(permuted * 2, sorted_indices, pr)
+    (merged * wrap(up.reshape(-1, H)[:6], "cols")).sum().backward()
+    found |= {"moe.permuted": full(permuted), "moe.merged": full(merged), "moe.dtokens": full(tk.grad),
+              "moe.dprobs": full(pr.grad)}
+    return found
+
+
+def _dtensor(rank: int, world: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dims = {"seq": 1, "hidden": 2, "tokens": 0, "cols": 1}
+
+    def wrap(t, placement):
+        return distribute_tensor(t, mesh, [Replicate() if placement == "rep" else Shard(dims[placement])])
+
+    seen = []
+
+    def full(t):
+        seen.append(str(t.placements[0]) if isinstance(t, DTensor) else "plain")
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    found = sharded_case(wrap, full)
+    torch.save({**found, "placements": dict(zip(found, seen))}, out / f"dtensor-{rank}.pt")
+
+
+def demo_model():
+    """The demo's MoE language model with gradops patched in, fixed initial weights, no load-balancing term (a
+    product of per-rank means is not the global product; the rest of the loss is a mean the ranks split exactly)."""
+    import gradops
+    from gradops import nn as gnn
+    from gradops.demo.model import Config, MoeLM
+
+    torch.manual_seed(0)
+    model = MoeLM(Config(aux_loss=0.0), gnn.MoeTokenPermute, gnn.MoeTokenUnpermute)
+    gradops.patch(model)
+    return model
+
+
+def demo_batch() -> torch.Tensor:
+    """Eight sequences of 65 bytes, none of them the padding byte 0 (so every rank's mean has the same count)."""
+    return torch.randint(1, 256, (8, 65), generator=torch.Generator().manual_seed(1))
+
+
+def train(model, batch: torch.Tensor, steps: int = 3) -> list[float]:
+    """AdamW steps on ``batch``; the next-byte losses before each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        total, lm = model.loss(batch[:, :-1], batch[:, 1:])
+        total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(lm.detach())
+    return losses
+
+
+def _fsdp(rank: int, world: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = demo_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batch = demo_batch()
+    per = batch.shape[0] // world
+    losses = torch.stack(train(model, batch[rank * per:(rank + 1) * per]))
+    dist.all_reduce(losses)
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    torch.save({"losses": losses / world, "params": params}, out / f"fsdp-{rank}.pt")

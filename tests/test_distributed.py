@@ -97,3 +97,42 @@ def test_combine_refuses_rows_that_do_not_match_the_dispatch():
     dispatcher = distributed.TokenDispatcher(2)
     with pytest.raises(RuntimeError, match="no dispatch"):
         dispatcher.combine(torch.randn(3, 4))
+
+
+def test_dtensor_sharded_ops_equal_the_unsharded_run(ranks):
+    """Issue 13: a DTensor meeting a gradops op failed (no sharding rule). Sequence-sharded RMSNorm / LayerNorm,
+    hidden-sharded Hardswish and MoE permute pair, token-sharded Embedding: forward and every gradient equal the
+    unsharded run; row-local results bit for bit, the Partial sums (dgamma, dbeta, the table, grad_probs) within
+    float32 rounding of a different summation order."""
+    world, out = ranks
+    want = w.sharded_case(lambda t, placement: t, lambda t: t)
+    partial = {"rms.dgamma", "ln.dgamma", "ln.dbeta", "emb.dtable", "moe.dprobs"}
+    s1, s2, s0, p = "S(1)", "S(2)", "S(0)", "P(sum)"
+    placements = {"rms.y": s1, "rms.rstd": s1, "rms.dx": s1, "rms.dgamma": p, "ln.y": s1, "ln.mean": s1,
+                  "ln.var": s1, "ln.dx": s1, "ln.dgamma": p, "ln.dbeta": p, "hsw.y": s2, "hsw.dx": s2, "emb.y": s0,
+                  "emb.dtable": p, "moe.permuted": s1, "moe.merged": s1, "moe.dtokens": s1, "moe.dprobs": p}
+    for rank in range(world):
+        got = torch.load(out / f"dtensor-{rank}.pt")
+        assert got.pop("placements") == placements  # the sharded rule ran, nothing was gathered first
+        assert set(got) == set(want)
+        for name, value in want.items():
+            if name in partial:
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{rank} {name}")
+            else:
+                assert torch.equal(got[name], value), (rank, name)
+
+
+def test_fsdp2_training_of_the_patched_demo_model_equals_one_process(ranks):
+    """FSDP2 (``fully_shard`` per block and at the root) of the gradops-patched demo model, three AdamW steps on
+    the ranks' shares of a batch: the mean loss at each step and the final weights equal one process training on
+    the whole batch, within float32 rounding (the gradient reduction sums in another order)."""
+    world, out = ranks
+    model = w.demo_model()
+    losses = torch.stack(w.train(model, w.demo_batch()))
+    for rank in range(world):
+        got = torch.load(out / f"fsdp-{rank}.pt")
+        # measured (2 ranks, torch 2.13 CPU): losses differ by <= 4.8e-7 at ~5.6, weights by <= 1.8e-6 (AdamW's
+        # normalised step turns last-bit gradient differences into ~lr * 1e-3 moves); the bounds leave ~5x
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)

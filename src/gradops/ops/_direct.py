@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._sharding import ensure_registered
+
 try:  # loaded by torch itself; imported here so that the attribute walk below finds it
     import torch.utils._python_dispatch
 except ImportError:  # pragma: no cover - a torch without it disables the direct path (see _resolve)
@@ -242,4 +244,5 @@ class DirectOp:
             return self.functorch.apply(*args)
         if check is not None:
             check(*args)
+        ensure_registered()  # a DTensor takes this path; its sharding rules are registered on first sight
         return self.op(*args)
