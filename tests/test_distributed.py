@@ -136,3 +136,23 @@ def test_fsdp2_training_of_the_patched_demo_model_equals_one_process(ranks):
         torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=1e-6)
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_demo_ep_trains_expert_parallel_beside_a_single_process_run(capsys):
+    """``gradops demo --ep 2``: two gloo processes, two experts each; the loss printed beside one process's."""
+    from gradops.cli import main
+
+    assert main(["demo", "--ep", "2", "--steps", "4", "--batch-size", "4", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 4 experts per rank" in out and ": agree" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 4]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    assert all(abs(float(ep) - float(single)) <= 1e-5 for _, ep, single, _ in rows)  # 4 steps: before any flip
+
+
+@pytest.mark.parametrize("argv", [["--ep", "3"], ["--ep", "2", "--batch-size", "5"], ["--ep", "1"]])
+def test_demo_ep_refuses_a_split_that_does_not_divide(argv):
+    from gradops.cli import main
+
+    with pytest.raises(SystemExit, match="--ep must be"):
+        main(["demo", *argv, "--steps", "1"])

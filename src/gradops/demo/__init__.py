@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="weights and batch order (default: 0)")
     parser.add_argument("--log-every", type=int, default=0, help="print losses every N steps (default: steps/15)")
+    parser.add_argument("--ep", type=int, default=0, metavar="N",
+                        help="train the gradops model expert-parallel over N local processes (gloo) and print its "
+                             "loss beside a single-process run of the same model instead of the torch twin")
 
 
 def _device(name: str) -> torch.device:
@@ -61,6 +64,10 @@ def _device(name: str) -> torch.device:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise SystemExit("gradops demo: --steps and --batch-size must be >= 1, --seq-len >= 2")
+    if args.ep:
+        from .parallel import run as run_expert_parallel
+
+        return run_expert_parallel(args)
     started = time.perf_counter()
     device = _device(args.device)
     cfg = Config(seq_len=args.seq_len)

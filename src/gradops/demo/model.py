@@ -82,6 +82,9 @@ class MoE(nn.Module):
             for _ in range(cfg.experts))
         self.permute, self.unpermute = permute, unpermute
         self.aux = torch.zeros(())
+        #: A :class:`gradops.distributed.TokenDispatcher` for expert parallelism (``gradops demo --ep N``): rows go
+        #: to the rank owning their expert and this rank runs its own experts only. None: every expert here.
+        self.dispatcher = None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -89,14 +92,33 @@ class MoE(nn.Module):
         scores = torch.softmax(self.router(x), dim=-1)
         probs, chosen = torch.topk(scores, self.topk, dim=-1)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-        permuted, sorted_indices = self.permute(x, chosen)
-        # Rows come grouped by expert id (stable sort), so expert e owns the next counts[e] rows.
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
-        chunks = permuted.split(counts.tolist())
-        y = self.unpermute(torch.cat([f(c) for f, c in zip(self.experts, chunks)]), sorted_indices, probs)
-        load = counts.to(scores.dtype) / chosen.numel()
-        self.aux = self.num_experts * (load * scores.mean(dim=0)).sum()
+        if self.dispatcher is None:
+            permuted, sorted_indices = self.permute(x, chosen)
+            # Rows come grouped by expert id (stable sort), so expert e owns the next counts[e] rows.
+            chunks = permuted.split(counts.tolist())
+            y = self.unpermute(torch.cat([f(c) for f, c in zip(self.experts, chunks)]), sorted_indices, probs)
+            load, mean_scores = counts.to(scores.dtype) / chosen.numel(), scores.mean(dim=0)
+        else:
+            rows, local_counts = self.dispatcher.dispatch(x, chosen)
+            chunks = rows.split(local_counts.tolist())
+            experts = [self.experts[e] for e in self.dispatcher.local_experts]
+            y = self.dispatcher.combine(torch.cat([f(c) for f, c in zip(experts, chunks)]), probs)
+            load, mean_scores = self._global_statistics(counts, scores)
+        self.aux = self.num_experts * (load * mean_scores).sum()
         return y.view(shape)
+
+    def _global_statistics(self, counts: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """The load-balancing term's expert load and mean router score over every rank's tokens (so that the
+        term, a product of two means, is the single-process one); the score sum is reduced differentiably."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        group = self.dispatcher.group
+        totals = torch.cat([counts, counts.new_tensor([scores.shape[0]])])
+        dist.all_reduce(totals, group=group)
+        load = totals[:-1].to(scores.dtype) / (totals[-1] * self.topk)  # counts / (T * K), all ranks' T
+        return load, all_reduce(scores.sum(dim=0), group=group) / totals[-1]
 
 
 class Block(nn.Module):
