@@ -156,3 +156,17 @@ def test_demo_ep_refuses_a_split_that_does_not_divide(argv):
 
     with pytest.raises(SystemExit, match="--ep must be"):
         main(["demo", *argv, "--steps", "1"])
+
+
+def test_compile_traces_gradops_after_dtensor_was_imported():
+    """Regression (CI, 2026-11-23): with DTensor loaded and the rules not yet registered, torch.compile(fullgraph)
+    traced the lazy registration on the op path and failed; registration now happens only outside tracing."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.distributed.tensor, gradops\n"
+            "f = torch.compile(lambda x: gradops.hardswish(x), fullgraph=True, backend='eager')\n"
+            "x = torch.randn(4, 8)\n"
+            "assert torch.equal(f(x), gradops.hardswish(x))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -15,9 +15,10 @@ A custom op that meets a DTensor needs a rule saying which input placements it a
   the unpermute gradient's ``grad_probs`` is then a ``Partial`` sum over hidden slices.
 - everything replicated, always.
 
-Importing ``torch.distributed.tensor`` costs ~1 s, so gradops does not: :func:`ensure_registered` runs on the op
-path (the only path a DTensor takes, see :mod:`gradops.ops._direct`) and registers the rules the first time it
-finds DTensor loaded; :func:`register` does it unconditionally.
+Importing ``torch.distributed.tensor`` costs ~1 s, so gradops does not: :func:`ensure_registered` runs on the eager
+op path (the only path a DTensor takes, see :mod:`gradops.ops._direct`) and registers the rules the first time it
+finds DTensor loaded; :func:`register` does it unconditionally, and ``import gradops.distributed`` calls it (for a
+DTensor model whose first gradops call is inside ``torch.compile``, where the registration cannot be traced).
 """
 
 from __future__ import annotations
