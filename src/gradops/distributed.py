@@ -91,6 +91,12 @@ class Handle:
     group: Any = None
 
 
+def _require_num_experts(op: str, num_experts: object, world: int) -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "num_experts", f"a positive multiple of the world size {world}",
+                      repr(num_experts))
+
+
 def _check(tokens: Tensor, topk_ids: Tensor, num_experts: int, world: int) -> int:
     """Refuse what the exchange cannot carry; returns K."""
     op = "dispatch"
@@ -103,9 +109,7 @@ def _check(tokens: Tensor, topk_ids: Tensor, num_experts: int, world: int) -> in
     if topk_ids.dim() not in (1, 2) or topk_ids.shape[0] != tokens.shape[0]:
         raise OpError(ACLNN_ERR_PARAM_INVALID, op, "topk_ids.shape", f"({tokens.shape[0]}, K) or "
                       f"({tokens.shape[0]},) (one row per token)", shape_text(topk_ids.shape))
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
-        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "num_experts", f"a positive multiple of the world size {world}",
-                      repr(num_experts))
+    _require_num_experts(op, num_experts, world)
     if topk_ids.numel():
         lo, hi = (int(v) for v in torch.aminmax(topk_ids))  # one sync, before anything is indexed with them
         if lo < 0 or hi >= num_experts:
@@ -187,12 +191,10 @@ class TokenDispatcher:
 
     def __init__(self, num_experts: int, group: Any = None) -> None:
         world = world_size(group)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
-            raise OpError(ACLNN_ERR_PARAM_INVALID, "TokenDispatcher", "num_experts",
-                          f"a positive multiple of the world size {world}", repr(num_experts))
+        _require_num_experts("TokenDispatcher", num_experts, world)
         self.num_experts, self.group = num_experts, group
-        per = num_experts // world
-        self.local_experts = range(_rank(group) * per, (_rank(group) + 1) * per)
+        per, rank = num_experts // world, _rank(group)
+        self.local_experts = range(rank * per, (rank + 1) * per)
         self._handle: Handle | None = None
 
     def dispatch(self, tokens: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:

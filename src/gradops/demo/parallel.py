@@ -23,21 +23,14 @@ from pathlib import Path
 import torch
 
 from .data import Batches, load_text
-from .model import Config, MoeLM
+from .model import Config, MoeLM, build_pair
 from .report import loss_tolerance
 from .training import _lr_at, _optimizer
 
 
 def _model(cfg: Config, seed: int) -> MoeLM:
-    import gradops
-    from gradops import nn as gnn
-
-    torch.manual_seed(seed)
-    twin = MoeLM(cfg)  # the demo's initial weights (build_pair draws the twin first, then copies them)
-    model = MoeLM(cfg, gnn.MoeTokenPermute, gnn.MoeTokenUnpermute)
-    model.load_state_dict(twin.state_dict())
-    gradops.patch(model)
-    return model
+    """The demo's gradops model with its initial weights (the twin :func:`build_pair` also draws is dropped)."""
+    return build_pair(cfg, seed, torch.device("cpu"))[0]
 
 
 def _clip(counted: list[torch.nn.Parameter], squares_elsewhere: torch.Tensor, scaled: list[torch.nn.Parameter],

@@ -54,7 +54,7 @@ def register() -> None:
 
     def rows(x: Any, stat: Any, normalised: int) -> range:
         """Row dims a norm may be sharded over: leading dims of x that the statistic also has."""
-        return range(min(x.ndim - normalised, stat.ndim if stat is not None else x.ndim))
+        return range(min(x.ndim - normalised, stat.ndim))
 
     @rule(ops.rms_norm)
     def _(x, gamma, epsilon):
