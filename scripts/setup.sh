@@ -22,8 +22,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     python -m pip install -q "torch==2.13.0"
   fi
   # triton 3.6 is what the lent GPU machines run: the interpreter tier tests the same Triton.
-  echo "setup: installing gradops[cpu,bench,dev] and triton==3.6.0, transformers==5.23.0" >&2
-  python -m pip install -q -e "$ROOT[cpu,bench,dev]" "triton==3.6.0" "transformers==5.23.0"
+  # accelerate: transformers' distributed loading (expert parallel, tests/test_transformers_ep.py) imports it.
+  echo "setup: installing gradops[cpu,bench,dev] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
+  python -m pip install -q -e "$ROOT[cpu,bench,dev]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
   echo "$want" > "$stamp"
 fi
 export GRADOPS_CACHE_DIR="${GRADOPS_CACHE_DIR:-$ROOT/.cache/gradops}"

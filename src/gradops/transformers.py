@@ -33,6 +33,10 @@ dispatcher runs the experts (so a comparison with ``"grouped_mm"`` measures exac
 :func:`gradops.moe_token_unpermute` weights and merges each token's K results in one pass in float32, rounding
 once (``"grouped_mm"`` materialises the weighted copies, gathers them back into token order, then sums).
 
+Expert parallelism (transformers' ``DistributedConfig(ep_size=N)``): the experts implementation runs inside
+transformers' exchanges, and :func:`register` adds ``ep_implementation="gradops"`` (:func:`expert_parallel_class`),
+an exchange on :mod:`gradops.distributed` that hands the experts rows already grouped by expert.
+
 Nothing here imports ``transformers`` unless the model being patched already did or :func:`register` is called.
 """
 
@@ -52,6 +56,8 @@ from .contract.rms_norm import DTYPE_TABLE as RMS_NORM_DTYPES
 
 #: The experts implementation name gradops registers in transformers' ``ALL_EXPERTS_FUNCTIONS``.
 EXPERTS = "gradops"
+#: The expert-parallel implementation name gradops registers in transformers' ``EPImplementationInterface``.
+EP = "gradops"
 #: The model families whose RMSNorm classes ``register(norms=True)`` maps (their modeling modules are imported).
 NORM_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
                  "gemma3", "olmoe", "deepseek_v3", "gpt_oss")
@@ -178,9 +184,9 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
         (T, H) in ``hidden_states``' dtype. Dtypes outside CANN's MoE tables (float64 tokens, weights or
         routing weights) run ``"batched_mm"`` (torch's grouped matmul has no float64 kernel).
     """
-    from transformers.integrations.moe import _grouped_linear, batched_mm_experts_forward
+    from transformers.integrations.moe import batched_mm_experts_forward
 
-    up, up_bias = (self.gate_up_proj, "gate_up_proj_bias") if self.has_gate else (self.up_proj, "up_proj_bias")
+    up = self.gate_up_proj if self.has_gate else self.up_proj
     if any(t.dtype not in _FLOATS for t in (hidden_states, top_k_weights, up, self.down_proj)):
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     num_experts = self.num_experts
@@ -192,33 +198,125 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     counted = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
     offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), 0,
                            dtype=torch.int32)
+    row_experts = None
+    if self.has_bias:
+        # The expert id of each permuted row (the bias to add): ids scattered to their permuted positions.
+        row_experts = torch.empty_like(ids)
+        row_experts[sorted_indices.long()] = ids
+        row_experts.clamp_(max=num_experts - 1)
+    out = grouped_experts(self, permuted, offsets, row_experts, sentinels=self._is_expert_parallel)
+    if out.dtype != hidden_states.dtype and hidden_states.dtype == torch.float32:
+        out = out.float()  # half-precision experts beside float32 tokens: merge in float32, as "grouped_mm" does
+    return ops.moe_token_unpermute(out, sorted_indices, top_k_weights).to(hidden_states.dtype)
+
+
+def grouped_experts(self: torch.nn.Module, rows: Tensor, offsets: Tensor, row_experts: Tensor | None = None,
+                    sentinels: bool = False) -> Tensor:
+    """The experts of a transformers experts module on rows already grouped by local expert.
+
+    Args:
+        self: the experts module.
+        rows: (N, H) rows, expert 0's first; rows past ``offsets[-1]`` are sentinels (routes to other ranks'
+            experts): no expert runs on them, their outputs and gradients are zero.
+        offsets: (num_experts,) int32 inclusive cumulative row counts (the grouped matmul's ``offs``).
+        row_experts: (N,) the local expert of each row, needed only by experts with biases.
+        sentinels: whether rows past ``offsets[-1]`` may exist (they are then masked; 3 extra passes).
+
+    Returns:
+        (N, H') the post-expert rows (up projection, gate / activation, down projection, optional post-expert norm).
+    """
+    from transformers.integrations.moe import _grouped_linear
+
+    up, up_bias = (self.gate_up_proj, "gate_up_proj_bias") if self.has_gate else (self.up_proj, "up_proj_bias")
     tail = None
-    if self._is_expert_parallel:
+    if sentinels:
         # The grouped matmul leaves the sentinel rows (>= offsets[-1]) of its outputs and of its input
         # gradient uninitialised: zero them after each projection, and zero the permuted input out of place
         # so that its backward zeroes their gradient before moe_token_permute_grad sums it into the tokens.
-        tail = (torch.arange(permuted.shape[0], device=permuted.device) >= offsets[-1]).unsqueeze(-1)
-        permuted = permuted.masked_fill(tail, 0.0)
-    sorted_ids = None
-    if self.has_bias:
-        # The expert id of each permuted row (the bias to add): ids scattered to their permuted positions.
-        sorted_ids = torch.empty_like(ids)
-        sorted_ids[sorted_indices.long()] = ids
-        sorted_ids.clamp_(max=num_experts - 1)
-    out = _grouped_linear(permuted, up, offsets, getattr(self, up_bias)[sorted_ids] if self.has_bias else None,
+        tail = (torch.arange(rows.shape[0], device=rows.device) >= offsets[-1]).unsqueeze(-1)
+        rows = rows.masked_fill(tail, 0.0)
+    out = _grouped_linear(rows, up, offsets, getattr(self, up_bias)[row_experts] if self.has_bias else None,
                           is_transposed=self.is_transposed)
     if tail is not None:
         out = out.masked_fill(tail, 0.0)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
-    out = _grouped_linear(out, self.down_proj, offsets, self.down_proj_bias[sorted_ids] if self.has_bias else None,
+    out = _grouped_linear(out, self.down_proj, offsets, self.down_proj_bias[row_experts] if self.has_bias else None,
                           is_transposed=self.is_transposed)
     if tail is not None:
         out = out.masked_fill(tail, 0.0)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    if out.dtype != hidden_states.dtype and hidden_states.dtype == torch.float32:
-        out = out.float()  # half-precision experts beside float32 tokens: merge in float32, as "grouped_mm" does
-    return ops.moe_token_unpermute(out, sorted_indices, top_k_weights).to(hidden_states.dtype)
+    return out
+
+
+@functools.cache
+def expert_parallel_class() -> type:
+    """The ``"gradops"`` expert-parallel implementation (an ``EPImplementation`` of transformers' distributed
+    module, registered by :func:`register`; built on first use because its base class lives in transformers).
+
+    transformers' own expert parallelism (``from_pretrained(..., distributed_config=DistributedConfig(ep_size=W,
+    ep_implementation="gradops"))``) shards the experts of each ``ep_dispatch_experts`` module over the expert
+    group and asks this object to bring them their tokens. It does so with :func:`gradops.distributed.dispatch`
+    / :func:`gradops.distributed.combine`: gradops' permute groups the (token, k) copies by owner rank, an
+    all-to-all moves them, a second permute groups what arrived by local expert, and the way back weights and
+    merges each token's K results in float32 in k order. No scatter-add anywhere (transformers' ``"all_to_all"``
+    gathers rows with advanced indexing, whose backward is an index-add, atomic on CUDA), so every gradient is
+    bitwise repeatable. With the ``"gradops"`` experts implementation the received rows go straight to the
+    grouped matmuls (they already are grouped by expert: no second permute inside the experts); any other
+    experts implementation is called on them with local expert ids and unit weights, as ``"all_to_all"`` does.
+
+    When the EP group shares one batch with a tensor-parallel group (``tp_size > 1``), each TP rank sends an
+    equal slice of it (``torch.chunk``'s split), so no token runs twice, and the slices are gathered back.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from transformers.distributed.expert_parallel import EPImplementation
+
+    from . import distributed
+
+    class GradopsEP(EPImplementation):
+        def __init__(self, experts: torch.nn.Module, ep_mesh: object, tp_mesh: object) -> None:
+            super().__init__(experts, ep_mesh, tp_mesh)
+            self.experts = experts
+
+        def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            tokens, sliced = hidden_states.shape[0], self.tp_mesh.size() > 1
+            if sliced:
+                # Replicate -> Shard(0): this rank's chunk, no communication; its backward gathers the gradients.
+                hidden_states, top_k_index, top_k_weights = (
+                    DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
+                    .redistribute(self.tp_mesh, [Shard(0)]).to_local()
+                    for t in (hidden_states, top_k_index, top_k_weights))
+            world = self.ep_mesh.size()
+            rows, counts, handle = distributed.dispatch(hidden_states, top_k_index, self.num_local_experts * world,
+                                                        self.ep_mesh.get_group())
+            out = distributed.combine(self._experts(rows, counts), handle, top_k_weights)
+            if not sliced:
+                return out
+            width = out.shape[-1]
+            return DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)], shape=(tokens, width),
+                                      stride=(width, 1)).full_tensor()
+
+        def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
+            experts, n = self.experts, rows.shape[0]
+            if n == 0:
+                # This rank's experts got no rows. An experts implementation may skip empty input without
+                # touching a weight ("eager" does): nothing here would then need a gradient, this rank's backward
+                # would never join the reverse exchange the other ranks run, and all of them would hang. One zero
+                # row through expert 0 keeps the graph; its upstream gradient is empty, so it adds only zeros.
+                first = torch.zeros_like(counts)
+                first[0] = 1
+                return self._experts(rows.sum(0, keepdim=True), first)[:0]
+            local = torch.arange(self.num_local_experts, device=rows.device)
+            if (experts.config._experts_implementation == EXPERTS and rows.dtype in _FLOATS
+                    and experts.down_proj.dtype in _FLOATS):
+                row_experts = torch.repeat_interleave(local, counts, output_size=n) if experts.has_bias else None
+                return grouped_experts(experts, rows, torch.cumsum(counts, 0, dtype=torch.int32), row_experts)
+            ids = torch.repeat_interleave(local, counts, output_size=n).unsqueeze(-1)
+            return self.experts_forward(rows, ids, rows.new_ones(ids.shape))
+
+    GradopsEP.__doc__ = expert_parallel_class.__doc__
+    GradopsEP.__module__, GradopsEP.__qualname__ = __name__, "GradopsEP"
+    return GradopsEP
 
 
 def norm_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
@@ -241,7 +339,8 @@ def register(norms: bool | Iterable[str] = False) -> None:
 
     Always: the ``"gradops"`` experts implementation in ``ALL_EXPERTS_FUNCTIONS``, so that
     ``model.set_experts_implementation("gradops")`` and ``from_pretrained(..., experts_implementation="gradops")``
-    run :func:`experts_forward`.
+    run :func:`experts_forward`; with ``torch.distributed``, the ``"gradops"`` expert-parallel implementation in
+    ``EPImplementationInterface`` (``DistributedConfig(ep_implementation="gradops")``).
 
     Args:
         norms: also register transformers patch mappings (``transformers.monkey_patching``) from the RMSNorm
@@ -252,6 +351,10 @@ def register(norms: bool | Iterable[str] = False) -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts_forward)
+    if torch.distributed.is_available():
+        from transformers.distributed.expert_parallel import EPImplementationInterface
+
+        EPImplementationInterface.register(EP, expert_parallel_class())
     if not norms:
         return
     from transformers.monkey_patching import get_patch_mapping, register_patch_mapping

@@ -3,6 +3,9 @@
 Both models start from the same weights and see the same batches; the command prints both losses, their
 largest difference against a stated tolerance, and the step-time ratio, and writes the per-step losses
 (``losses.csv``) and a loss-curve PNG (``loss_curve.png``) to ``--out``. Exit status 1 when the losses disagree.
+
+``--ep N`` trains the gradops model expert-parallel over N local processes instead (:mod:`.parallel`) and prints
+its loss beside a single-process run of the same model.
 """
 
 from __future__ import annotations
