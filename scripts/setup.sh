@@ -27,4 +27,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q -e "$ROOT[cpu,bench,dev]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
   echo "$want" > "$stamp"
 fi
-export GRADOPS_CACHE_DIR="${GRADOPS_CACHE_DIR:-$ROOT/.cache/gradops}"
+# No GRADOPS_CACHE_DIR here, on purpose: the compiled CPU kernels then go to gradops' default cache
+# (~/.cache/gradops/numba, one folder per version of the kernel sources: src/gradops/cpu/__init__.py), the one
+# every other way of running gradops uses too - an activated .venv, `.venv/bin/python examples/...`, an IDE -
+# so the README's commands and a user's own compile each kernel once, into one place. (Exporting a checkout folder
+# here reached only the processes these scripts start: an activated venv compiled everything a second time
+# elsewhere.) A GRADOPS_CACHE_DIR set by the caller is still honoured, by gradops itself; where the default cannot
+# be written, gradops compiles into a private temporary folder and says so once.

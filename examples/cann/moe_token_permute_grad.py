@@ -41,8 +41,10 @@ def print_out_result(tensor: torch.Tensor) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(parser.parse_args(argv).device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # one line, not torch's traceback on first use
+        parser.exit(2, f"{parser.prog}: error: --device cuda, but torch sees no CUDA device (use --device cpu)\n")
     stream = init(device)
 
     # 2. Inputs and outputs.

@@ -5,6 +5,9 @@ table shows PyTorch's own error on the same inputs where PyTorch has the op (its
 same dtype). Error = max|out - ref| / max|ref| per output, worst output reported. A row passes when the
 error is within one ulp of the output dtype plus float32 accumulation error (``8·sqrt(n)·u32`` for a length-n
 reduction), or no larger than PyTorch's own.
+
+Exit status: 0 when every run passes, 1 when one fails, 2 when nothing could run (the one line on stderr says why:
+no CUDA device, a backend that cannot run here) - a check of nothing is not a pass.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from . import backend, reference
+from .cli_support import DTYPE_HELP, DTYPE_METAVAR, CommandError, dtype_name, int_at_least, seed_value, short_dtype
 from .env import devices
 from .registry import NAMES
 
 F32, F64 = torch.float32, torch.float64
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: ``--dtype``'s short names (what the table prints, as ``gradops bench`` does) -> the dtype.
+SHORT_DTYPES = {short_dtype(dt): dt for dt in DTYPES.values()}
 U32 = torch.finfo(F32).eps / 2
 
 
@@ -192,48 +198,69 @@ def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: i
             torch_error = None  # PyTorch lacks this dtype combination on this device
     ok = error <= bound or (torch_error is not None and error <= torch_error)
     label = name if used == name else f"{name}->{used}"
-    return Row(op, str(dtype).removeprefix("torch."), str(device), label, error, torch_error, bound, ok)
+    return Row(op, short_dtype(dtype), str(device), label, error, torch_error, bound, ok)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
-    parser.add_argument("--dtype", action="append", choices=list(DTYPES), help="only this dtype (repeatable)")
+    parser.add_argument("--dtype", action="append", type=dtype_name, metavar=DTYPE_METAVAR,
+                        help=f"only this dtype (repeatable): {DTYPE_HELP}")
     parser.add_argument("--backend", action="append", choices=list(backend.MODULES), help="only this backend")
-    parser.add_argument("--device", action="append", help="only this device (cpu, cuda)")
-    parser.add_argument("--rows", type=int, default=96, help="rows (M) of the random inputs (default 96)")
-    parser.add_argument("--cols", type=int, default=1000, help="columns (N) of the random inputs (default 1000)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
+    parser.add_argument("--device", action="append", choices=("cpu", "cuda"), help="only this device")
+    parser.add_argument("--rows", type=int_at_least(1), default=96, help="rows (M) of the random inputs (default 96)")
+    parser.add_argument("--cols", type=int_at_least(1), default=1000,
+                        help="columns (N) of the random inputs (default 1000)")
+    parser.add_argument("--seed", type=seed_value, default=None, help="random seed (default: fresh each run)")
+
+
+def plan_runs(args: argparse.Namespace) -> tuple[list[tuple[str, torch.dtype, torch.device, str]], list[str]]:
+    """The (op, dtype, device, backend) runs that ``args`` ask for and this machine can do, and one reason for each
+    device or backend asked for by name that cannot run here (a default left out - Triton on a machine without a
+    GPU - is no reason: "every usable backend" is what the default means)."""
+    here = {d.type: d for d in devices()}
+    dtypes = [SHORT_DTYPES[d] for d in dict.fromkeys(args.dtype or SHORT_DTYPES)]
+    plan, skipped = [], []
+    for kind in dict.fromkeys(args.device or here):
+        device = here.get(kind)
+        if device is None:
+            skipped.append(f"--device {kind}: torch sees no {kind.upper()} device")
+            continue
+        for name in backend.MODULES:
+            if args.backend and name not in args.backend:
+                continue
+            ok, why = backend.usable(name, device)
+            if ok:
+                plan += [(op, dt, device, name) for op in dict.fromkeys(args.op or OPS) for dt in dtypes]
+            elif args.backend:
+                skipped.append(f"--backend {name} on {kind}: {why}")
+    return plan, skipped
 
 
 def run(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
-    ops = args.op or OPS
-    dtypes = [DTYPES[d] for d in (args.dtype or DTYPES)]
-    devs = [d for d in devices() if not args.device or d.type in args.device]
-    plan = []
-    for device in devs:
-        for name in backend.MODULES:
-            if (args.backend and name not in args.backend) or not backend.usable(name, device)[0]:
-                continue
-            plan += [(op, dt, device, name) for op in ops for dt in dtypes]
+    plan, skipped = plan_runs(args)
+    if not plan:
+        raise CommandError("nothing to check: " + "; ".join(skipped or ["no device and backend can run here"]))
+    for why in skipped:  # what was asked for and is not in the table: said, not silently left out
+        print(f"gradops check: skipped {why}", file=sys.stderr)
     print(f"gradops check: {len(plan)} runs, inputs {args.rows}x{args.cols}, seed {seed}", file=sys.stderr)
     rows, start = [], time.perf_counter()
     live = sys.stderr.isatty()  # a terminal gets one updating line; a log gets a line every tenth of the way
     for i, (op, dt, device, name) in enumerate(plan, 1):
-        status = f"  [{i:>3}/{len(plan)}] {op:<26} {str(dt)[6:]:<9} {device} {name:<7}"
+        status = f"  [{i:>3}/{len(plan)}] {op:<26} {short_dtype(dt):<5} {device} {name:<7}"
         if live:
             print("\r" + status, end="", file=sys.stderr, flush=True)
         elif i == 1 or i == len(plan) or i % max(1, len(plan) // 10) == 0:
             print(status, file=sys.stderr, flush=True)
         rows.append(check_one(op, dt, device, name, args.rows, args.cols, seed + i))
     print(("\r" if live else "") + f"  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
-    header = (f"{'op':<26} {'dtype':<9} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} "
+    header = (f"{'op':<26} {'dtype':<5} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} "
               f"{'bound':>9}  result")
     print(header)
     print("-" * len(header))
     for r in rows:
         te = f"{r.torch_error:11.2e}" if r.torch_error is not None else f"{'-':>11}"
-        print(f"{r.op:<26} {r.dtype:<9} {r.device:<6} {r.backend:<12} {r.error:11.2e} {te} {r.bound:9.2e}  "
+        print(f"{r.op:<26} {r.dtype:<5} {r.device:<6} {r.backend:<12} {r.error:11.2e} {te} {r.bound:9.2e}  "
               f"{'pass' if r.ok else 'FAIL'}")
     failed = sum(not r.ok for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")

@@ -4,6 +4,10 @@ gradops ...``).
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them, and imports a module when its subcommand runs (``demo`` and ``bench`` pull in more than
 ``check`` needs).
+
+A request that cannot run - a nonsensical argument value, ``GRADOPS_BACKEND`` naming no backend, a backend that
+cannot run here, an output folder that cannot be written, nothing to check - ends with one line on stderr,
+``gradops <command>: error: <what and what is accepted>``, and exit status 2 (:mod:`gradops.cli_support`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
+
+from .cli_support import CommandError, check_backend_variable, refusal
 
 COMMANDS = {
     "check": ("gradops.check", "run every op, dtype and backend against the float64 reference"),
@@ -21,10 +28,22 @@ COMMANDS = {
     "golden": ("gradops.golden", "write a test case (inputs, float64 goldens, third party, manifest) for one op"),
     "verify": ("gradops.golden.verify", "judge a kernel's output files by CANN's precision standards"),
 }
+#: Subcommands that run operators: a GRADOPS_BACKEND naming no backend is refused before they start. (``verify``
+#: only reads files.)
+RUNS_OPS = frozenset({"check", "bench", "demo", "env", "golden"})
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``gradops check: error: argument --rows: must be an integer >= 1, got '0'``.
+    The message already names the argument and what it accepts; the usage block argparse prints above it (six
+    lines for ``bench``) would bury that line, and ``--help`` still shows it. Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradops", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="gradops", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -36,12 +55,20 @@ def main(argv: list[str] | None = None) -> int:
             p.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
     try:
+        if args.command in RUNS_OPS:
+            check_backend_variable()
         return int(args._run(args) or 0)
     except BrokenPipeError:
         # The reader left (``gradops env | head -2``): no traceback, and none at exit either, when Python
         # flushes the closed stdout; 141 = 128 + SIGPIPE, what a shell reports for a command a pipe cut short.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except (CommandError, Exception) as err:  # after BrokenPipeError, an Exception too; CommandError is not one
+        message = refusal(err)
+        if message is None:  # a bug: its traceback is what to report
+            raise
+        print(f"gradops {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,12 +11,18 @@ unpatched (:mod:`gradops.bench.models`). ``--per-call`` measures what one call o
 at 8 x 8 fp32 (direct path, through the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost``
 measures the first-call cost of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and
 with the cache that run filled (cached).
+
+Before any timing it refuses, in one line (exit status 2), what would waste the run: a ``--results`` folder it
+cannot write (the results are written at the end), ``--device cuda`` without one, a ``--dtype`` the mode does not
+time. The header gives the 1-minute load average, and one line warns when other work is using the cores: timings
+then measure the contention (on a loaded 2-core VM the smallest cases sit at the scheduler's granularity).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -25,9 +31,22 @@ from pathlib import Path
 
 import torch
 
+from ..cli_support import (
+    DTYPE_HELP,
+    DTYPE_METAVAR,
+    CommandError,
+    dtype_name,
+    int_at_least,
+    load_average,
+    output_dir,
+    positive_float,
+)
 from .cases import OPS, SHAPES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Load average per CPU above which the header warns: past half the cores, another job holds cores the timed
+#: threads (torch's pool uses them all) need, and a parallel kernel waits for its slowest thread.
+BUSY_LOAD_PER_CPU = 0.5
 PROVIDERS = ("gradops", "gradops fresh", "gradops out=", "eager", "compile", "liger", "copy_")
 
 
@@ -35,13 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where to run (default: cuda when available, else cpu)")
     parser.add_argument("--op", action="append", choices=OPS, help="op to time (repeatable; default: all)")
-    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES),
-                        help="dtype (repeatable; default: fp32 and bf16 on cpu, bf16/fp16/fp32 on cuda)")
+    parser.add_argument("--dtype", action="append", type=dtype_name, metavar=DTYPE_METAVAR,
+                        help=f"dtype (repeatable: {DTYPE_HELP}; default: fp32 and bf16 on cpu, bf16/fp16/fp32 on "
+                             "cuda)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, few rounds, no torch.compile: a smoke run (well under a minute on CPU)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 15, quick 3)")
-    parser.add_argument("--budget", type=float, default=30.0, help="seconds of timed rounds per case at most")
+    parser.add_argument("--reps", type=int_at_least(1), default=None,
+                        help="timed rounds per case (default 15, quick 3)")
+    parser.add_argument("--budget", type=positive_float, default=30.0,
+                        help="seconds of timed rounds per case at most")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"),
                         help="directory for the JSONL and PNG (default benchmarks/results)")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
@@ -54,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "4096 x 1024, and exit")
     parser.add_argument("--models", action="store_true",
                         help="whole Hugging Face transformers models (Llama, Qwen3-MoE), patched vs unpatched vs "
-                             "transformers' experts backends, forward + backward (needs gradops[transformers])")
+                             "transformers' experts backends, forward + backward (needs transformers >= 5.23)")
     parser.add_argument("--sweep-compile", action="store_true",
                         help="with --sweep: also torch.compile(torch module) (dynamic shapes)")
 
@@ -101,7 +123,55 @@ def _release_pool() -> None:
         pool.clear()
 
 
+def load_note() -> tuple[str, str | None]:
+    """``("load 0.42 (1 min) on 2 cpus", warning or None)`` for the bench header; the warning is one line, given
+    when the load average exceeds :data:`BUSY_LOAD_PER_CPU` per CPU. Empty text where there is no load average."""
+    found = load_average()
+    if found is None:
+        return "", None
+    load, cpus = found
+    text = f"load {load:.2f} (1 min) on {cpus} cpus"
+    if load <= BUSY_LOAD_PER_CPU * cpus:
+        return text, None
+    return text, (f"gradops bench: warning: the 1-minute load average is {load:.2f} on {cpus} cpus: other work is "
+                  "running, so these times measure the contention too (small cases can sit at the timer's "
+                  "granularity); rerun on an idle machine")
+
+
+def _mode(args: argparse.Namespace) -> str:
+    """Which of the exclusive modes runs (the first flag given, in this order), ``table`` for the main one."""
+    return next((m for m in ("compile_cost", "per_call", "models", "sweep") if getattr(args, m)), "table")
+
+
+def _check_request(args: argparse.Namespace) -> None:
+    """Refuse what would fail, or silently time nothing, only after the work: run before any of it.
+
+    Raises:
+        CommandError: one line naming the argument.
+    """
+    mode = _mode(args)
+    if mode == "table" and os.environ.get("TRITON_INTERPRET") == "1":
+        raise CommandError("TRITON_INTERPRET=1 would time the interpreter; unset it")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda, but torch sees no CUDA device (use --device cpu)")
+    from ..backend import decide
+
+    # A GRADOPS_BACKEND that cannot run here (triton without a GPU) fails every mode: say so before the first case.
+    decide("rms_norm_grad", torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    if mode in ("models", "sweep") and args.dtype:
+        timed = importlib.import_module(f"{__name__}.{mode}").DTYPES
+        if any(d not in timed for d in args.dtype):
+            raise CommandError(f"--dtype {', '.join(d for d in args.dtype if d not in timed)}: --{mode} times "
+                               f"{' and '.join(timed)} only")
+    if mode != "compile_cost" and not args.no_save:  # --compile-cost writes nothing
+        output_dir(args.results, "--results")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_request(args)
+    load, busy = load_note()
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
     if args.compile_cost:
         from .compile_cost import measure
         return measure()
@@ -112,28 +182,23 @@ def run(args: argparse.Namespace) -> int:
         from . import models
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return models.run(device, args.dtype or models.DEFAULT_DTYPES[device.type], args.reps or 15, args.budget,
-                          None if args.no_save else args.results, environment(device))
+        dtypes = list(dict.fromkeys(args.dtype or models.DEFAULT_DTYPES[device.type]))
+        return models.run(device, dtypes, args.reps or 15, args.budget, None if args.no_save else args.results,
+                          environment(device))
     if args.sweep:
         from . import sweep
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtypes = args.dtype or ["fp32", "bf16"]
-        return sweep.run(device, [d for d in dtypes if d in sweep.DTYPES], args.sweep_compile,
+        return sweep.run(device, list(dict.fromkeys(dtypes)), args.sweep_compile,
                          min(args.budget, 2.0), None if args.no_save else args.results, environment(device))
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("gradops bench: TRITON_INTERPRET=1 would time the interpreter; unset it", file=sys.stderr)
-        return 2
     from . import report
     from .cases import build
     from .timing import time_cpu, time_cuda
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gradops bench: no CUDA device", file=sys.stderr)
-        return 2
-    dtypes = [DTYPES[d] for d in (args.dtype or (["fp32", "bf16"] if device.type == "cpu" else
-                                                 ["bf16", "fp16", "fp32"]))]
+    dtypes = [DTYPES[d] for d in dict.fromkeys(args.dtype or (["fp32", "bf16"] if device.type == "cpu" else
+                                                              ["bf16", "fp16", "fp32"]))]
     shapes = SHAPES["quick" if args.quick else device.type]
     peers = set() if args.quick or args.no_compile else {"compile"}
     reps = args.reps or (3 if args.quick else 15)
@@ -141,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     env = environment(device)
     rows: list[dict] = []
     print(f"gradops bench on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"triton {env['triton']}, backend {env['gradops_backend']}, {env['threads']} threads", flush=True)
+          f"triton {env['triton']}, backend {env['gradops_backend']}, {env['threads']} threads"
+          + (f", {load}" if load else ""), flush=True)
     for op in args.op or OPS:
         for shape in shapes[op]:
             for dtype in dtypes:

@@ -10,7 +10,7 @@ built from its config (random weights, nothing downloaded), for
   ``eager``), so that "best transformers" is the fastest of them, measured in the same run.
 
 All providers run interleaved, round after round (:func:`gradops.bench.timing.time_cpu`), from identical weights
-and the same batch. Writes ``models-<device>-<date>.jsonl``. Needs ``pip install 'gradops[transformers]'``.
+and the same batch. Writes ``models-<device>-<date>.jsonl``. Needs ``pip install 'transformers>=5.23'``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, res
     try:
         import transformers
     except ImportError:
-        print("gradops bench --models: needs transformers (pip install 'gradops[transformers]')")
+        print("gradops bench --models: needs transformers (pip install 'transformers>=5.23')")
         return 2
     timer = time_cuda if device.type == "cuda" else time_cpu
     batch, seq = TOKENS[device.type]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..cli_support import CommandError
+
 #: Pure-Python standard-library modules present in CPython 3.10+, read in this order (deterministic corpus).
 MODULES = (
     "abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "configparser", "contextlib", "copy",
@@ -72,13 +74,13 @@ def load_text(path: str | None) -> tuple[bytes, str]:
     if path is None:
         text, what = stdlib_corpus()
         if len(text) < MIN_BYTES:
-            raise SystemExit(f"gradops demo: only {len(text)} bytes of docstrings found (python -OO?); "
-                             "pass --data FILE with some text")
+            raise CommandError(f"only {len(text)} bytes of docstrings found (python -OO?); pass --data FILE with "
+                               "some text")
     else:
         try:
             text, what = Path(path).read_bytes(), path
         except OSError as err:
-            raise SystemExit(f"gradops demo: cannot read --data {path}: {err.strerror}") from None
+            raise CommandError(f"cannot read --data {path}: {err.strerror}") from None
     text = text.replace(b"\0", b"")
     return text, f"{what}: {len(text) / 1e6:.2f} MB"
 
@@ -88,9 +90,11 @@ class Batches:
     text is held out; ``generator`` makes the order reproducible."""
 
     def __init__(self, text: bytes, seq_len: int, batch_size: int, seed: int, val_fraction: float = 0.05) -> None:
+        # Checked before torch.frombuffer, which refuses an empty buffer with a ValueError of its own.
+        if len(text) < 4 * (seq_len + 1):
+            raise CommandError(f"the text has {len(text)} bytes (NUL bytes dropped); --seq-len {seq_len} needs at "
+                               f"least {4 * (seq_len + 1)}: pass a longer --data file or a smaller --seq-len")
         data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-        if data.numel() < 4 * (seq_len + 1):
-            raise SystemExit(f"gradops demo: the text has {data.numel()} bytes; it needs at least {4 * (seq_len + 1)}")
         split = max(seq_len + 1, int(data.numel() * (1 - val_fraction)))
         self.train, self.val = data[:split], data[max(0, split - seq_len - 1):]
         self.seq_len, self.batch_size = seq_len, batch_size

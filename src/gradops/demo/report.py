@@ -87,7 +87,7 @@ def plot(hist: History, path: Path, title: str) -> str:
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        return "loss curve not drawn: matplotlib is not installed (pip install 'gradops[bench]')"
+        return "loss curve not drawn: matplotlib is not installed (pip install matplotlib)"
     steps = range(len(hist.gradops_loss))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 1))
     top.plot(steps, hist.torch_loss, label="PyTorch twin", linewidth=2.5, alpha=0.5)
