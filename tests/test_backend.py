@@ -30,7 +30,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 def test_auto_falls_back_to_torch_without_numba(monkeypatch):
     monkeypatch.setenv("GRADOPS_BACKEND", "auto")
     monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: None)
-    assert backend.select("hardswish_backward", torch.device("cpu"))[0] == "torch"
+    monkeypatch.setattr(backend, "_slow_path_warned", False)
+    with pytest.warns(backend.SlowPathWarning, match="numba is not installed"):
+        assert backend.select("hardswish_backward", torch.device("cpu"))[0] == "torch"
 
 
 def test_explicit_cpu_without_numba_raises(monkeypatch):
@@ -87,6 +89,60 @@ def test_choose_decides_again_when_the_backend_module_changes(monkeypatch):
     monkeypatch.delitem(sys.modules, "gradops.cpu")
     real_module = backend._module
     monkeypatch.setattr(backend, "_module", lambda name: None if name == "cpu" else real_module(name))
-    assert backend.choose("hardswish", cpu).name == "torch"
+    monkeypatch.setattr(backend, "_slow_path_warned", False)
+    with pytest.warns(backend.SlowPathWarning, match="importing gradops.cpu failed"):
+        assert backend.choose("hardswish", cpu).name == "torch"
     monkeypatch.undo()
     assert sys.modules["gradops.cpu"] is module and backend.choose("hardswish", cpu) == before
+
+
+@pytest.mark.parametrize("failure", ["missing", "broken"])
+def test_auto_says_once_that_cpu_tensors_take_the_slow_path(failure, monkeypatch):
+    """Without importable CPU kernels auto mode still computes (the reference, ~25-50x slower), and says so once per
+    process, naming the cause and the fix: not once per op, shape or call."""
+    monkeypatch.setenv("GRADOPS_BACKEND", "auto")
+    monkeypatch.setattr(backend, "_slow_path_warned", False)
+    if failure == "missing":
+        real_find_spec = backend.importlib.util.find_spec
+        monkeypatch.setattr(backend.importlib.util, "find_spec",
+                            lambda name, *args: None if name == "numba" else real_find_spec(name, *args))
+        cause = "numba is not installed"
+    else:  # installed, but importing it fails (e.g. a NumPy it does not support)
+        real_import = backend.importlib.import_module
+
+        def import_module(name, *args):
+            if name == "gradops.cpu":
+                raise ImportError("numba: simulated broken install")
+            return real_import(name, *args)
+
+        monkeypatch.setattr(backend.importlib, "import_module", import_module)
+        cause = "importing gradops.cpu failed: numba: simulated broken install"
+    backend.forget()  # remembered choices and call plans were made with the kernels present
+    try:
+        x, g = torch.randn(4, 8), torch.ones(4, 8)
+        with pytest.warns(backend.SlowPathWarning) as caught:
+            first = gradops.hardswish_backward(g, x)
+            gradops.hardswish_backward(g, x)
+            gradops.rms_norm(torch.randn(16, 32), torch.ones(32))  # another op, another shape
+        assert torch.equal(first, reference.hardswish_backward(g, x))
+        slow = [str(w.message) for w in caught if issubclass(w.category, backend.SlowPathWarning)]
+        assert len(slow) == 1, slow
+        assert cause in slow[0] and "pip install -U 'numba>=0.60'" in slow[0] and "GRADOPS_BACKEND=torch" in slow[0]
+    finally:
+        monkeypatch.undo()
+        backend.forget()
+
+
+def test_no_slow_path_warning_when_the_reference_is_chosen_or_the_kernels_load(monkeypatch, recwarn):
+    monkeypatch.setattr(backend, "_slow_path_warned", False)
+    backend.forget()
+    monkeypatch.setenv("GRADOPS_BACKEND", "torch")  # chosen on purpose
+    gradops.hardswish(torch.zeros(3))
+    cpu = torch.device("cpu")
+    if backend.usable("cpu", cpu)[0] and backend._module("cpu") is not None:
+        # an op the compiled backend leaves to the reference (documented: no warning, the kernels did load)
+        monkeypatch.setattr(reference, "only_in_the_reference", lambda *args: None, raising=False)
+        monkeypatch.setenv("GRADOPS_BACKEND", "auto")
+        assert backend.decide("only_in_the_reference", cpu).name == "torch"
+    assert not [w for w in recwarn if issubclass(w.category, backend.SlowPathWarning)]
+    assert not backend._slow_path_warned

@@ -53,7 +53,9 @@ def test_falls_back_to_torch_without_numba(monkeypatch):
         with pytest.raises(ImportError):
             importlib.import_module("gradops.cpu")
         monkeypatch.setenv("GRADOPS_BACKEND", "auto")
-        name, fn = backend.select("rms_norm_grad", torch.device("cpu"))
+        monkeypatch.setattr(backend, "_slow_path_warned", False)
+        with pytest.warns(backend.SlowPathWarning, match="numba is not installed"):
+            name, fn = backend.select("rms_norm_grad", torch.device("cpu"))
         assert name == "torch" and fn is reference.rms_norm_grad
         x, dy, g = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
         rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
@@ -237,6 +239,25 @@ def test_workspace_hook_carves_scratch_and_checks_its_size():
         assert all(torch.equal(a, b) for a, b in zip(plain, carved)), op
         with pytest.raises(ValueError, match="workspace"):
             getattr(cpu, op)(*args, workspace=torch.empty(nbytes - 1, dtype=torch.uint8))
+
+
+def test_empty_cache_hands_back_what_the_pool_holds(monkeypatch):
+    """After every output died the pool still holds their memory; gradops.empty_cache() releases it, says how
+    much, and the ops work as before afterwards."""
+    monkeypatch.setenv("GRADOPS_BACKEND", "cpu")
+    monkeypatch.setenv(pool.ENV, "64")
+    pool.clear()
+    x, dy, g = torch.randn(512, 1024), torch.randn(512, 1024), torch.randn(1024)  # 2 MiB outputs: pooled
+    rstd = gradops.rms_norm(x, g)[1]
+    dx, dgamma = gradops.rms_norm_grad(dy, x, rstd, g)
+    expected = dx.clone()
+    del dx, dgamma
+    held = pool.free_bytes()
+    assert held >= 2 << 20
+    assert gradops.empty_cache() == held and pool.free_bytes() == 0
+    assert gradops.empty_cache() == 0
+    assert torch.equal(gradops.rms_norm_grad(dy, x, rstd, g)[0], expected)
+    assert pool.free_bytes() >= 2 << 20  # the dead output went back to the pool: it still recycles
 
 
 def test_pool_recycles_only_dead_outputs(monkeypatch):

@@ -8,10 +8,15 @@
 - ``triton``: the Triton kernels; on CPU tensors only with ``TRITON_INTERPRET=1`` (the interpreter, for tests).
 - ``cpu``: the compiled CPU kernels (needs numba).
 
+float64 inputs (the PyTorch API only: CANN's tables have no float64) run on the ``torch`` reference computing in
+float64, whatever the variable says (:func:`wide`): no compiled kernel implements float64, and none may downcast.
+
 A backend that does not implement an op leaves that op to ``torch`` (documented per op in ``gradops env``). A
 backend asked for by name that cannot run - not installed, its import failing, the wrong device, or the compiled
 CPU kernels in a child forked after GNU OpenMP ran - raises :class:`BackendUnavailable` saying why: a typo or a
-missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose.
+missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose; when
+``auto`` falls back on CPU tensors because the compiled kernels cannot be imported, it also says so once per process
+(:class:`SlowPathWarning`), since that path is ~25-50x slower.
 
 :func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
 ``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,
@@ -24,8 +29,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
@@ -40,6 +47,38 @@ ENV = "GRADOPS_BACKEND"
 MODULES = {"torch": "gradops.reference", "triton": "gradops.launch", "cpu": "gradops.cpu"}
 CHOICES = ("auto", *MODULES)
 _FIRST = {"cuda": "triton", "cpu": "cpu"}  # auto's first choice per device type
+#: How to get the compiled CPU kernels back: numba is a dependency of gradops (pyproject.toml), so a missing or
+#: broken one was removed or replaced after gradops was installed.
+NUMBA_FIX = "pip install -U 'numba>=0.60', a dependency of gradops"
+
+
+class SlowPathWarning(RuntimeWarning):
+    """CPU tensors run on the pure-torch reference because the compiled CPU kernels cannot be imported.
+
+    Issued once per process, the first time ``GRADOPS_BACKEND=auto`` falls back for a CPU tensor: the reference
+    is ~25-50x slower (rms_norm_grad at 8192 x 4096 fp32: 0.54-1.1 s against 11-44 ms compiled on a 2-core VM,
+    idle to loaded), and a plain fallback would leave a missing or broken numba unnoticed.
+    ``GRADOPS_BACKEND=torch`` chooses the reference on purpose and is not warned about.
+    """
+
+
+_slow_path_warned = False  # one warning per process, whatever the number of ops and shapes that fall back
+
+
+def _warn_slow_cpu_path(device: torch.device) -> None:
+    """Issue :class:`SlowPathWarning` once, naming why the compiled CPU kernels cannot run and the fix."""
+    global _slow_path_warned
+    if _slow_path_warned:
+        return
+    ok, why = usable("cpu", device)
+    if ok and _module("cpu") is not None:  # the module loaded: the op is one the CPU backend leaves to torch
+        return
+    _slow_path_warned = True
+    cause = why or _import_errors.get("cpu", f"importing {MODULES['cpu']} failed")
+    fix = "" if NUMBA_FIX in cause else f" ({NUMBA_FIX})"
+    warnings.warn(f"gradops: the compiled CPU kernels cannot run: {cause}{fix}. CPU tensors use the pure-torch "
+                  "reference, ~25-50x slower; set GRADOPS_BACKEND=torch to choose it on purpose and silence this "
+                  "warning.", SlowPathWarning, stacklevel=2)
 
 
 class BackendUnavailable(OpError, RuntimeError):
@@ -92,7 +131,7 @@ def usable(name: str, device: torch.device) -> tuple[bool, str]:
         return True, ""
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed (pip install 'gradops[triton]')"
+            return False, "triton is not installed (pip install 'triton>=3.2', or the `triton` extra of gradops)"
         if device.type == "cuda" or (device.type == "cpu" and interpreting()):
             return True, ""
         return False, f"the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors (got {device})"
@@ -100,7 +139,7 @@ def usable(name: str, device: torch.device) -> tuple[bool, str]:
         if device.type != "cpu":
             return False, f"the compiled CPU kernels run on CPU tensors only (got {device})"
         if importlib.util.find_spec("numba") is None:
-            return False, "numba is not installed (pip install 'gradops[cpu]')"
+            return False, f"numba is not installed ({NUMBA_FIX})"
         host = sys.modules.get("gradops.cpu._host")
         if host is not None and host.forked_omp_child():
             return False, host.FORKED_WHY
@@ -141,6 +180,8 @@ def decide(op: str, device: torch.device) -> Choice:
         chosen = _choice(op, first) if first and usable(first, device)[0] else None
         if chosen is None and first == "cpu" and _forked_omp_child():
             return _serially(_choice(op, "torch"))
+        if chosen is None and first == "cpu":
+            _warn_slow_cpu_path(device)
         return chosen or _choice(op, "torch")
     ok, why = usable(name, device)
     if not ok:
@@ -174,6 +215,33 @@ def _serially(choice: Choice) -> Choice:
             torch.set_num_threads(threads)
 
     return choice._replace(fn=serial)
+
+
+@cache
+def wide(op: str) -> Choice:
+    """The backend of ``op`` for float64 inputs, on every device and whatever ``GRADOPS_BACKEND`` names: the
+    pure-torch reference computing in float64. float64 is outside CANN's tables: the compiled CPU kernels and the
+    Triton kernels do not implement it (as a backend that lacks an op leaves it to ``torch``), and a float32
+    kernel would downcast. Only the PyTorch API gets here (the CANN surfaces refuse float64 in validation)."""
+    fn = getattr(_module("torch"), op)
+    if "compute" in inspect.signature(fn).parameters:  # moe_token_permute only moves rows: nothing to compute in
+        fn = functools.partial(fn, compute=torch.float64)
+    return Choice("torch", fn, None)
+
+
+def wide_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
+    """:func:`wide` for tensors on ``device``, with what keeps it valid (as :func:`decide_with_token`): run on one
+    torch thread in a child forked after GNU OpenMP ran (see :func:`_serially`). ``GRADOPS_BACKEND`` must still
+    name a backend: a typo is refused here too (561003), as :func:`decide` refuses it."""
+    try:
+        requested()
+    except ValueError as e:
+        raise _unavailable(op, os.environ.get(ENV, ""), f"{e} [{op}]") from None
+    choice = wide(op)
+    if device.type == "cpu" and _forked_omp_child():
+        choice = _serially(choice)
+    token = MODULES["torch"]
+    return choice, token, sys.modules.get(token)
 
 
 def select(op: str, device: torch.device) -> tuple[str, Callable]:
