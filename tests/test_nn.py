@@ -301,3 +301,46 @@ def test_module_refusals_are_op_errors_naming_the_argument():
     with pytest.raises(OpError) as info:
         gnn.moe_token_unpermute(permuted, sorted_indices, torch.rand(4, 3))
     assert (info.value.status, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "probs")
+
+
+@pytest.mark.parametrize("make,shape,expected", [
+    (lambda: gnn.RMSNorm(8), (4, 7), "(..., 8)"),
+    (lambda: gnn.RMSNorm(8, elementwise_affine=False), (4, 7), "(..., 8)"),
+    (lambda: gnn.RMSNorm((2, 8)), (4, 8), "(..., 2, 8)"),
+    (lambda: gnn.RMSNorm((2, 8)), (8,), "(..., 2, 8)"),
+    (lambda: gnn.RMSNorm(8), (), "(..., 8)"),
+    (lambda: gnn.LayerNorm(8), (4, 7), "(..., 8)"),
+    (lambda: gnn.LayerNorm((3, 8), bias=False), (4, 2, 8), "(..., 3, 8)"),
+], ids=["rms", "rms-no-affine", "rms-2d", "rms-2d-short-x", "rms-0d-x", "ln", "ln-2d"])
+def test_module_shape_errors_blame_the_input(make, shape, expected):
+    """Issue "drop-in means drop-in" 9: ``RMSNorm(8)(randn(4, 7))`` said "gamma.shape must be (7,)", blaming the
+    weight for the input's last dim. The modules name x, the shape they need and the one given."""
+    module = make()
+    with pytest.raises(gradops.OpError) as info:
+        module(torch.randn(shape))
+    err = info.value
+    assert (err.status, err.arg) == (161002, "x.shape"), str(err)
+    text = str(err)
+    assert f"must be {expected}, ending with the module's normalized_shape" in text, text
+    assert text.split(", got ")[1].startswith("(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
+                                              + ")"), text
+    assert "gamma" not in text and "weight" not in text
+
+
+def test_functional_shape_errors_still_name_gamma():
+    """The functional API has no module: a gamma that does not match x's trailing dims is what it names."""
+    with pytest.raises(gradops.OpError) as info:
+        gradops.rms_norm(torch.randn(4, 7), torch.ones(8))
+    assert info.value.arg == "gamma.shape"
+
+
+@pytest.mark.parametrize("indices,arg", [
+    (torch.tensor([1, 12]), "indices"),
+    (torch.tensor([-1, 2]), "indices"),
+    (torch.zeros([1] * 8, dtype=torch.long), "indices.dim()"),
+    (torch.tensor([1.0 + 0j]), "indices.dtype"),
+], ids=["beyond-table", "negative", "rank-8", "complex"])
+def test_embedding_module_errors_name_the_indices(indices, arg):
+    with pytest.raises(gradops.OpError) as info:
+        gnn.Embedding(10, 4)(indices)
+    assert (info.value.status, info.value.arg) == (161002, arg), str(info.value)

@@ -5,8 +5,11 @@ Each class subclasses the PyTorch module it replaces, so construction arguments,
 PyTorch's own modules up to float32 rounding, except :class:`Hardswish` at exactly x = +-3, where gradops follows
 CANN's closed interval (d(-3) = -0.5, d(3) = 1.5; PyTorch >= 2.8 gives 0 and 1).
 
-Inputs are float16 / bfloat16 / float32 (CANN's dtypes; float64 raises :class:`gradops.OpError` 161002), with
-parameters of the input's dtype or float32 beside half inputs.
+Inputs are float16 / bfloat16 / float32 (CANN's dtypes), with parameters of the input's dtype or float32 beside
+half inputs, or float64 with float64 parameters, as torch's modules take it (``model.double()``,
+``torch.autograd.gradcheck``): float64 runs on the pure-torch reference in float64, never downcast (CANN's own
+surfaces, :mod:`gradops.aclnn` and :mod:`gradops.npu_compat`, refuse it). An input whose trailing dims are not the
+module's ``normalized_shape`` raises :class:`gradops.OpError` 161002 naming ``x``, not the weight.
 
 The MoE pair :class:`MoeTokenPermute` / :class:`MoeTokenUnpermute` uses CANN's index convention:
 ``sorted_indices[t*K + k]`` is the permuted row of token t's k-th copy (the inverse of Megatron's
@@ -19,10 +22,31 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .contract._common import shape_text
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",
            "moe_token_unpermute", "moe_token_unpermute_backward"]
+
+
+def _input_shape_error(op: str, x: Tensor, normalized_shape: tuple[int, ...]) -> OpError | None:
+    """The error of a norm module's input that does not end with the module's ``normalized_shape``, or None."""
+    nd = len(normalized_shape)
+    if x.dim() >= nd and x.shape[x.dim() - nd:] == normalized_shape:
+        return None
+    dims = ", ".join(str(s) for s in normalized_shape)
+    return OpError(ACLNN_ERR_PARAM_INVALID, op, "x.shape",
+                   f"(..., {dims}), ending with the module's normalized_shape {shape_text(normalized_shape)}",
+                   shape_text(x.shape))
+
+
+def _blame_input(err: OpError, op: str, x: Tensor, normalized_shape: tuple[int, ...]) -> OpError:
+    """What a norm module raises for ``err``, a shape refusal of its op: the op checks gamma against x's trailing
+    dims and so names gamma, the module's weight, whose shape is the module's own; the input is what does not fit.
+    Found after the op refused (no cost on the call path); any other refusal is ``err`` itself."""
+    if err.arg.endswith((".shape", ".dim()")):
+        return _input_shape_error(op, x, normalized_shape) or err
+    return err
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -30,13 +54,16 @@ class RMSNorm(torch.nn.RMSNorm):
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch. ``elementwise_affine=False`` passes a ones
     scale (a constant, not a parameter). The scale must have x's dtype, or be float32 beside float16 / bfloat16
-    x (the seed's dtype table); other pairs raise :class:`gradops.OpError` 161002.
+    x (the seed's dtype table, plus float64 with float64); other pairs raise :class:`gradops.OpError` 161002.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
-        return ops.rms_norm(x, gamma, eps)[0]
+        try:
+            return ops.rms_norm(x, gamma, eps)[0]
+        except OpError as err:
+            raise _blame_input(err, "rms_norm", x, self.normalized_shape) from None
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -52,14 +79,16 @@ class LayerNorm(torch.nn.LayerNorm):
         n = 1
         for s in self.normalized_shape:
             n *= s
-        if x.dim() < nd or tuple(x.shape[x.dim() - nd:]) != tuple(self.normalized_shape):
-            raise OpError(ACLNN_ERR_PARAM_INVALID, "layer_norm", "x.shape",
-                          f"a shape ending with normalized_shape {tuple(self.normalized_shape)}",
-                          str(tuple(x.shape)))
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
         beta = self.bias if self.bias is not None else x.new_zeros(self.normalized_shape)
         if nd == 1:  # the common case: no views (each would add an autograd node, ~15 µs of a small step)
-            return ops.layer_norm(x, gamma, beta, self.eps)[0]
+            try:
+                return ops.layer_norm(x, gamma, beta, self.eps)[0]
+            except OpError as err:
+                raise _blame_input(err, "layer_norm", x, self.normalized_shape) from None
+        error = _input_shape_error("layer_norm", x, self.normalized_shape)  # before the reshape, which could fit
+        if error is not None:
+            raise error
         flat = x.reshape(*x.shape[: x.dim() - nd], n)
         return ops.layer_norm(flat, gamma.reshape(n), beta.reshape(n), self.eps)[0].reshape(x.shape)
 

@@ -9,15 +9,19 @@ Tensor sorted_indices, bool padded_mode=False) -> Tensor`` from torch_npu's ``re
 Conventions kept: rstd is float32 in the forward's keepdim shape; ``sorted_indices`` is int32 in CANN's
 convention (the permuted row of each (token, k) copy, the inverse of Megatron's); ``padded_mode=True`` is
 refused (OpError 161002), as CANN supports only False. The forwards are differentiable like torch_npu's.
+float64, which the PyTorch API (:mod:`gradops.ops`, :mod:`gradops.nn`) takes beyond CANN's tables, is refused
+here with 161002 as torch_npu's operators refuse it (:func:`_cann_floats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from . import ops
+from .contract._common import FLOATS, dtypes_text
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
@@ -30,6 +34,23 @@ def _no_padded_mode(op: str, padded_mode: bool) -> None:
                       "True")
 
 
+def _cann_floats(op: str, others: tuple, **tensors: Tensor | None) -> None:
+    """Refuse float64 (161002), the one float dtype the PyTorch API adds to CANN's tables, among the op's float
+    ``tensors`` (in the op's argument order). Everything else is left to the op's own table, so that its messages
+    and CANN's order stand: a missing or non-tensor argument among ``tensors`` and the op's ``others`` (161001
+    first), or an earlier argument of another wrong dtype, is not looked past. An optional tensor left at None
+    (probs) is passed as None among ``tensors``, not ``others``."""
+    if not all(isinstance(t, Tensor) for t in others) or \
+            not all(isinstance(t, Tensor) for t in tensors.values() if t is not None):
+        return
+    for name, t in tensors.items():
+        if t is None or t.dtype in FLOATS:
+            continue
+        if t.dtype == torch.float64:
+            raise OpError(ACLNN_ERR_PARAM_INVALID, op, f"{name}.dtype", dtypes_text(FLOATS), "float64")
+        return
+
+
 def npu_rms_norm(self: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:
     """``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)``; aclnnRmsNorm.
 
@@ -37,6 +58,7 @@ def npu_rms_norm(self: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[T
         y in self's dtype; rstd float32 of shape ``self.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
         Differentiable (backward: :func:`npu_rms_norm_backward`, i.e. aclnnRmsNormGrad).
     """
+    _cann_floats("rms_norm", (gamma,), x=self)  # gamma: float64 only beside float64 x in the op's own table
     return ops.rms_norm(self, gamma, epsilon)
 
 
@@ -46,6 +68,8 @@ def npu_rms_norm_backward(dy: Tensor, self: Tensor, gamma: Tensor, rstd: Tensor)
     Note the order: torch_npu passes gamma BEFORE rstd, aclnnRmsNormGrad (and :func:`gradops.rms_norm_grad`)
     take ``(dy, x, rstd, gamma)``. Returns dx in dy's dtype and dgamma in float32.
     """
+    # x, rstd, gamma: float64 only beside float64 dy in the op's own table
+    _cann_floats("rms_norm_grad", (self, rstd, gamma), dy=dy)
     return ops.rms_norm_grad(dy, self, rstd, gamma)
 
 
@@ -55,6 +79,7 @@ def npu_moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int |
     -> (permuted_tokens, sorted_indices)``; aclnnMoeTokenPermute. Differentiable w.r.t. tokens
     (aclnnMoeTokenPermuteGrad)."""
     _no_padded_mode("npu_moe_token_permute", padded_mode)
+    _cann_floats("moe_token_permute", (indices,), tokens=tokens)
     return ops.moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
 
@@ -67,6 +92,7 @@ def npu_moe_token_permute_grad(tokens: Tensor, grad_permuted_tokens: Tensor, ind
     1-D indices), which is all this reads from them. Returns (T, H) in the gradient's dtype.
     """
     _no_padded_mode("npu_moe_token_permute_grad", padded_mode)
+    _cann_floats("moe_token_permute_grad", (sorted_indices,), permuted_output_grad=grad_permuted_tokens)
     topk = indices.shape[1] if indices.dim() == 2 else 1
     out = ops.moe_token_permute_grad(grad_permuted_tokens, sorted_indices, topk, padded_mode)
     if out.shape[0] != tokens.shape[0]:
@@ -85,6 +111,7 @@ def npu_moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, pro
     Differentiable w.r.t. permuted_tokens and probs (aclnnMoeTokenUnpermuteGrad).
     """
     _no_padded_mode("npu_moe_token_unpermute", padded_mode)
+    _cann_floats("moe_token_unpermute", (sorted_indices,), permuted_tokens=permuted_tokens, probs=probs)
     return ops.moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
 
 
@@ -98,5 +125,7 @@ def npu_moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted_tokens
     dtype (the permuted tokens' dtype) [what torch_npu returns there is not documented].
     """
     _no_padded_mode("npu_moe_token_unpermute_grad", padded_mode)
+    _cann_floats("moe_token_unpermute_grad", (sorted_indices,), permuted_tokens=permuted_tokens, probs=probs,
+                 grad_unpermuted=grad_unpermuted_tokens)
     return ops.moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs, padded_mode,
                                         restore_shape)

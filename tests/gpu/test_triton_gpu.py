@@ -63,7 +63,7 @@ def _builds():
         out.append((f"rms_norm_grad-N{n}", grad, rms, tile, c.num_warps, ()))
         lnb = layer_norm.layer_norm_bwd_looped_kernel if c.looped else layer_norm.layer_norm_bwd_kernel
         for fused in (False, True):
-            flags = {"FROM_VAR": not fused, "WRITE_RES": not fused, "PARTIALS": fused}
+            flags = {"FROM_VAR": not fused, "WRITE_RES": not fused, "PARTIALS": fused, "MEAN_TERM": not fused}
             out.append((f"layer_norm_bwd-N{n}-fused{fused}", lnb, ln, {**tile, **flags}, c.num_warps, ("eps",)))
         fwd = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "LOOPED": c.looped}
         out.append((f"rms_norm_fwd-N{n}", rms_norm.rms_norm_fwd_kernel, {"X": bf, "G": bf, "Y": bf, "RSTD": "fp32"},

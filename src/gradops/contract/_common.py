@@ -15,13 +15,29 @@ from ..status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, OpError
 
 #: aclnn tensors have at most 8 dims.
 MAX_RANK = 8
+#: CANN's float dtypes: the aclnn / AscendC surfaces (``cann=True``) and :mod:`gradops.npu_compat` take these only.
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: The PyTorch API's float dtypes: CANN's plus float64, as torch's own modules take (``model.double()``,
+#: ``torch.autograd.gradcheck``). float64 runs on the pure-torch reference in float64 (:func:`gradops.backend.wide`)
+#: and its statistics and weight gradients stay float64 where CANN's are float32.
+TORCH_FLOATS = (*FLOATS, torch.float64)
 
 _DTYPE_NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
     torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
     torch.int64: "int64", torch.bool: "bool",
 }
+
+
+def floats(cann: bool) -> tuple[torch.dtype, ...]:
+    """The float dtypes of one surface: CANN's for ``cann=True``, else the PyTorch API's (with float64)."""
+    return FLOATS if cann else TORCH_FLOATS
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics (rstd, mean, variance) and weight gradients beside inputs of ``dtype``: float32, as
+    CANN's, except float64 beside float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dtype_name(dtype: torch.dtype) -> str:

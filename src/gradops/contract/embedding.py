@@ -1,7 +1,8 @@
 """Validation table of aclnnEmbeddingDenseBackward.
 
 Sources: the seed (001) and hicann/ops-nn ``index/embedding_dense_grad_v2/op_api/aclnn_embedding_dense_backward.cpp``.
-Order: nulls (161001), dtypes, ranks, shapes (161002). Beyond CANN, which leaves out-of-range indices
+Order: nulls (161001), dtypes, ranks, shapes (161002). The PyTorch API also takes a float64 grad / weight (as
+torch's embedding does); ``cann=True`` keeps CANN's three. Beyond CANN, which leaves out-of-range indices
 undefined, gradops refuses them (161002) before any kernel runs: no index is ever trusted.
 """
 
@@ -14,9 +15,10 @@ import torch
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from ._common import (
-    FLOATS,
     MAX_RANK,
+    TORCH_FLOATS,
     fail,
+    floats,
     numel,
     require_dtype,
     require_int,
@@ -48,7 +50,7 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
     if not isinstance(scale_grad_by_freq, bool):
         raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
     require_same_device(op, grad=grad, indices=indices, **outs)
-    require_dtype(op, "grad", grad, FLOATS)
+    require_dtype(op, "grad", grad, floats(cann))
     require_dtype(op, "indices", indices, INDEX_DTYPES)
     if cann:
         require_same_dtype(op, "out", out, "grad", grad)
@@ -65,15 +67,15 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
 
 def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -> None:
     """Validate the lookup ``embedding(weight, indices, padding_idx, scale_grad_by_freq)`` whose backward is
-    aclnnEmbeddingDenseBackward: weight (V, E) float, indices of the nine index dtypes with at most 7 dims (the
-    output ``indices.shape + (E,)`` stays within 8)."""
+    aclnnEmbeddingDenseBackward: weight (V, E) float (float64 too: a PyTorch API only), indices of the nine index
+    dtypes with at most 7 dims (the output ``indices.shape + (E,)`` stays within 8)."""
     op = "embedding"
     require_present(op, weight=weight, indices=indices)
     require_int(op, "padding_idx", padding_idx, int64=False)  # any int: outside [0, V) means none
     if not isinstance(scale_grad_by_freq, bool):
         raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
     require_same_device(op, weight=weight, indices=indices)
-    require_dtype(op, "weight", weight, FLOATS)
+    require_dtype(op, "weight", weight, TORCH_FLOATS)
     require_dtype(op, "indices", indices, INDEX_DTYPES)
     require_rank(op, "weight", weight, 2, 2)
     require_rank(op, "indices", indices, 0, MAX_RANK - 1)

@@ -1,16 +1,17 @@
 """Validation table of Hardswish and aclnnHardswishBackward.
 
 Source: hicann/ops-nn ``activation/hard_swish_grad/op_host/op_api/aclnn_hardswish_backward.cpp``: dtypes
-{float32, float16, bfloat16}, gradOutput, self and out share dtype and shape (no broadcasting), at most 8 dims,
-0-d and empty tensors allowed, non-contiguous supported. Errors name the PyTorch API's arguments (``grad_output``);
-the aclnn surface renames them to CANN's (``gradOutput``, :data:`gradops.aclnn._executor.CANN_NAMES`).
+{float32, float16, bfloat16} (the PyTorch API also float64), gradOutput, self and out share dtype and shape (no
+broadcasting), at most 8 dims, 0-d and empty tensors allowed, non-contiguous supported. Errors name the PyTorch
+API's arguments (``grad_output``); the aclnn surface renames them to CANN's (``gradOutput``,
+:data:`gradops.aclnn._executor.CANN_NAMES`).
 """
 
 from __future__ import annotations
 
 from ._common import (
-    FLOATS,
     MAX_RANK,
+    floats,
     require_dtype,
     require_present,
     require_rank,
@@ -25,7 +26,7 @@ def check_hardswish(x, *, out=None, cann: bool = False) -> None:
     outs = {"out": out} if cann else {}
     require_present(op, self=x, **outs)
     require_same_device(op, self=x, **outs)
-    require_dtype(op, "self", x, FLOATS)
+    require_dtype(op, "self", x, floats(cann))
     if cann:
         require_same_dtype(op, "out", out, "self", x)
     require_rank(op, "self", x, 0, MAX_RANK)
@@ -38,8 +39,8 @@ def check_hardswish_backward(grad_output, x, *, out=None, cann: bool = False) ->
     outs = {"out": out} if cann else {}
     require_present(op, grad_output=grad_output, self=x, **outs)
     require_same_device(op, grad_output=grad_output, self=x, **outs)
-    require_dtype(op, "self", x, FLOATS)
-    require_dtype(op, "grad_output", grad_output, FLOATS)
+    require_dtype(op, "self", x, floats(cann))
+    require_dtype(op, "grad_output", grad_output, floats(cann))
     require_same_dtype(op, "grad_output", grad_output, "self", x)
     if cann:
         require_same_dtype(op, "out", out, "self", x)

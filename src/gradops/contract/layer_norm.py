@@ -1,7 +1,8 @@
 """Validation table of LayerNorm, LayerNormGrad and LayerNormGradBeta (AscendC kernel APIs).
 
 AscendC's own table is T in {half, float}; the PyTorch API also takes bfloat16 (what LLM training runs in),
-and gamma/beta in float32 beside half inputs, as RmsNormGrad's table allows. ``cann=True`` restricts to
+and gamma/beta in float32 beside half inputs, as RmsNormGrad's table allows, and float64 (gamma/beta float64
+too; statistics and weight gradients then float64), as torch's own LayerNorm does. ``cann=True`` restricts to
 AscendC's table. Statistics (mean, variance, rstd) are float32 or the dtype of x, with shape ``x.shape[:-1]``
 or its keepdim form ``x.shape[:-1] + (1,)``.
 """
@@ -15,8 +16,8 @@ import torch
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from ._common import (
-    FLOATS,
     MAX_RANK,
+    TORCH_FLOATS,
     dtype_name,
     dtypes_text,
     fail,
@@ -40,11 +41,13 @@ class LayerNormPlan(NamedTuple):
 
 
 def _dtypes(cann: bool) -> tuple[torch.dtype, ...]:
-    return ASCENDC_DTYPES if cann else FLOATS
+    return ASCENDC_DTYPES if cann else TORCH_FLOATS
 
 
 def _check_param_dtype(op: str, name: str, p: torch.Tensor, x: torch.Tensor, cann: bool) -> None:
-    allowed = (x.dtype,) if cann else tuple(dict.fromkeys((x.dtype, torch.float32)))
+    # float32 parameters beside half x (CANN's mixed precision); float64 x takes float64 parameters only.
+    same_only = cann or x.dtype == torch.float64
+    allowed = (x.dtype,) if same_only else tuple(dict.fromkeys((x.dtype, torch.float32)))
     if p.dtype not in allowed:
         raise fail(INVALID, op, f"{name}.dtype", f"{dtypes_text(allowed)} for x of {dtype_name(x.dtype)}",
                    dtype_name(p.dtype))

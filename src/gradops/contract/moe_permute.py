@@ -7,6 +7,7 @@ with 161002 (the choice recommended in docs/semantics.md §5), and refuses sorte
 before any kernel reads with them. The unpermute pair also needs sorted_indices to be a permutation (CANN:
 "取值范围是[0, tokens_num*topK_num-1]，且没有重复索引", no repeated index): a repeated row would leave another
 row of the gradient with no source; each backend refuses one (:func:`permutation_error`) before it writes.
+Float tensors are CANN's three dtypes on the aclnn surface (``cann=True``); the PyTorch API also takes float64.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from ._common import (
-    FLOATS,
     fail,
+    floats,
     require_dtype,
     require_int,
     require_present,
@@ -65,7 +66,7 @@ def check_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=Fa
         require_int(op, "num_out_tokens", num_out_tokens)
     _check_padded_mode(op, padded_mode)
     require_same_device(op, tokens=tokens, indices=indices, **outs)
-    require_dtype(op, "tokens", tokens, FLOATS)
+    require_dtype(op, "tokens", tokens, floats(cann))
     require_dtype(op, "indices", indices, INDEX_DTYPES)
     if cann:
         require_same_dtype(op, "permuteTokensOut", permuted, "tokens", tokens)
@@ -94,7 +95,7 @@ def check_moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=Fal
     require_int(op, "num_topk", num_topk, 1, MAX_TOPK)
     _check_padded_mode(op, padded_mode)
     require_same_device(op, permuted_output_grad=grad, sorted_indices=sorted_indices, **outs)
-    require_dtype(op, "permuted_output_grad", grad, FLOATS)
+    require_dtype(op, "permuted_output_grad", grad, floats(cann))
     require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,) if cann else INDEX_DTYPES)
     if cann:
         require_same_dtype(op, "out", out, "permuted_output_grad", grad)
@@ -142,10 +143,10 @@ def check_restore_shape(op: str, restore_shape: object) -> None:
 
 def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: bool) -> MoePlan:
     """The shared part of the unpermute pair: (A, H) rows, (T*K,) indices, probs (T, K) or None (K = 1)."""
-    require_dtype(op, "permuted_tokens", permuted_tokens, FLOATS)
+    require_dtype(op, "permuted_tokens", permuted_tokens, floats(cann))
     require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,) if cann else INDEX_DTYPES)
     if probs is not None:
-        require_dtype(op, "probs", probs, FLOATS)
+        require_dtype(op, "probs", probs, floats(cann))
     require_rank(op, "permuted_tokens", permuted_tokens, 2, 2)
     require_rank(op, "sorted_indices", sorted_indices, 1, 1)
     total = sorted_indices.shape[0]
@@ -201,7 +202,7 @@ def check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indi
     require_same_device(op, permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
                         sorted_indices=sorted_indices, **({} if probs is None else {"probs": probs}), **outs)
     plan = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
-    require_dtype(op, "grad_unpermuted", grad_unpermuted, FLOATS)
+    require_dtype(op, "grad_unpermuted", grad_unpermuted, floats(cann))
     require_rank(op, "grad_unpermuted", grad_unpermuted, 2, 2)
     tokens = grad_unpermuted.shape[0]
     if probs is not None and tokens != plan.tokens and tokens and sorted_indices.shape[0] % tokens == 0:

@@ -2,6 +2,8 @@
 
 Sources: the seed (000), hicann/ops-nn ``norm/rms_norm_grad/op_host/rms_norm_grad_def.cpp`` (dtype table) and
 ``rms_norm_grad_tiling.cpp`` (shape rules, which surface as 561002 because CANN checks them while tiling).
+The PyTorch API also takes float64 throughout (x, dy, gamma float64; rstd and dgamma float64 too, rstd float32
+accepted); ``cann=True`` keeps the seed's table.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import torch
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ._common import (
-    FLOATS,
     MAX_RANK,
+    accumulator,
     dtype_name,
     dtypes_text,
     fail,
+    floats,
     numel,
     require_contiguous,
     require_dtype,
@@ -35,6 +38,8 @@ DTYPE_TABLE: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({
     (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 })
+#: The PyTorch API's table: the seed's plus float64 x with float64 gamma (float32 gamma only beside half x).
+TORCH_DTYPE_TABLE = DTYPE_TABLE | {(torch.float64, torch.float64)}
 
 
 class RmsNormPlan(NamedTuple):
@@ -46,8 +51,9 @@ class RmsNormPlan(NamedTuple):
 
 
 def _check_gamma_dtype(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
-    if (x.dtype, gamma.dtype) not in DTYPE_TABLE:
-        allowed = sorted({g for xd, g in DTYPE_TABLE if xd == x.dtype}, key=str)
+    """After x's dtype passed its surface's check: float64 x reaches here on the PyTorch API only."""
+    if (x.dtype, gamma.dtype) not in TORCH_DTYPE_TABLE:
+        allowed = sorted({g for xd, g in TORCH_DTYPE_TABLE if xd == x.dtype}, key=str)
         raise fail(INVALID, op, "gamma.dtype", f"{dtypes_text(allowed)} for x of {dtype_name(x.dtype)}",
                    dtype_name(gamma.dtype))
 
@@ -70,7 +76,7 @@ def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: 
     require_present(op, x=x, gamma=gamma, **outs)
     require_float(op, "epsilon", epsilon)
     require_same_device(op, x=x, gamma=gamma, **outs)
-    require_dtype(op, "x", x, FLOATS)
+    require_dtype(op, "x", x, floats(cann))
     _check_gamma_dtype(op, x, gamma)
     if cann:
         require_same_dtype(op, "yOut", y, "x", x)
@@ -108,9 +114,9 @@ def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool 
     outs = {"dxOut": dx, "dgammaOut": dgamma} if cann else {}
     require_present(op, dy=dy, x=x, rstd=rstd, gamma=gamma, **outs)
     require_same_device(op, dy=dy, x=x, rstd=rstd, gamma=gamma, **outs)
-    require_dtype(op, "dy", dy, FLOATS)
+    require_dtype(op, "dy", dy, floats(cann))
     require_same_dtype(op, "x", x, "dy", dy)
-    require_dtype(op, "rstd", rstd, (torch.float32,))
+    require_dtype(op, "rstd", rstd, tuple(dict.fromkeys((torch.float32, accumulator(x.dtype)))))
     _check_gamma_dtype(op, x, gamma)
     if cann:
         require_same_dtype(op, "dxOut", dx, "dy", dy)

@@ -98,6 +98,22 @@ def _row_terms(dy, x, gamma, r, mu, s, inv_n):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def _aten_row_terms(dy, x, gamma, r, mu, s, inv_n):  # pragma: no cover - compiled
+    """aclnnLayerNormBackward's (ATen ``native_layer_norm_backward``'s) per-row constants: :func:`_row_terms`
+    without AscendC's ``sum(x - mean)`` term, so one accumulator fewer::
+
+        a = -sum(pd_xl·xmu)·rstd^3/N,  b = -sum(pd_xl)·rstd/N,  pd_x = pd_xl·rstd + a·xmu + b"""
+    n = x.shape[1]
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    for j in range(n):
+        pd_xl = ld(dy, (r, j)) * ld(gamma, j)
+        s1 += pd_xl * (ld(x, (r, j)) - mu)
+        s2 += pd_xl
+    return -s1 * s * s * s * inv_n, -s2 * s * inv_n
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _layer_norm_grad_row(dy, x, var, mean, gamma, eps, pdx, res, r):  # pragma: no cover - compiled
     """AscendC LayerNormGrad of row r (rstd = (var + eps)^-0.5): ``pd_x = dy·gamma·rstd + a·(x-mean) + b`` with
     a, b from :func:`_row_terms`, ``res_for_gamma = (x-mean)·rstd``."""
@@ -190,7 +206,7 @@ def _grad_beta_entry(res_at, dy_at, dtype, pg, pb, gamma_at, beta_at, m, n):  # 
 
 @njit(cache=True, fastmath=FASTMATH)
 def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover - compiled
-    """Row block b of the fused backward: per row pd_x as in :func:`_layer_norm_grad_row` (rstd given), and
+    """Row block b of the fused backward: per row pd_x with :func:`_aten_row_terms` (rstd given), and
     ``pg[b] += dy·(x-mean)·rstd``, ``pb[b] += dy`` in fp32, four rows per partial update."""
     m, n = x.shape
     nblk = pg.shape[0]
@@ -206,10 +222,10 @@ def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cove
     while r + 4 <= end:
         u0, s0, u1, s1 = mean[r], rstd[r], mean[r + 1], rstd[r + 1]
         u2, s2, u3, s3 = mean[r + 2], rstd[r + 2], mean[r + 3], rstd[r + 3]
-        a0, c0 = _row_terms(dy, x, gamma, r, u0, s0, inv_n)
-        a1, c1 = _row_terms(dy, x, gamma, r + 1, u1, s1, inv_n)
-        a2, c2 = _row_terms(dy, x, gamma, r + 2, u2, s2, inv_n)
-        a3, c3 = _row_terms(dy, x, gamma, r + 3, u3, s3, inv_n)
+        a0, c0 = _aten_row_terms(dy, x, gamma, r, u0, s0, inv_n)
+        a1, c1 = _aten_row_terms(dy, x, gamma, r + 1, u1, s1, inv_n)
+        a2, c2 = _aten_row_terms(dy, x, gamma, r + 2, u2, s2, inv_n)
+        a3, c3 = _aten_row_terms(dy, x, gamma, r + 3, u3, s3, inv_n)
         for j in range(n):
             gj = ld(gamma, j)
             x0, d0 = ld(x, (r, j)) - u0, ld(dy, (r, j))
@@ -226,7 +242,7 @@ def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cove
     while r < end:
         mu = mean[r]
         s = rstd[r]
-        a, c = _row_terms(dy, x, gamma, r, mu, s, inv_n)
+        a, c = _aten_row_terms(dy, x, gamma, r, mu, s, inv_n)
         for j in range(n):
             xmu = ld(x, (r, j)) - mu
             g = ld(dy, (r, j))

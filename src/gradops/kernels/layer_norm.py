@@ -78,17 +78,20 @@ def _row_stats(MEAN, STAT, rows, rmask, eps, FROM_VAR: tl.constexpr):
 @triton.jit
 def layer_norm_bwd_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, stride_dy, stride_x, stride_dx, stride_res,
                           eps, tiles_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          FROM_VAR: tl.constexpr, WRITE_RES: tl.constexpr, PARTIALS: tl.constexpr):
+                          FROM_VAR: tl.constexpr, WRITE_RES: tl.constexpr, PARTIALS: tl.constexpr,
+                          MEAN_TERM: tl.constexpr):
     """AscendC LayerNormGrad term by term (rows within one register tile), optionally fused with GradBeta::
 
         xmu = x - mean;  pd_xl = dy * g
         pd_var  = -0.5 * rstd^3 * sum(pd_xl * xmu)
-        pd_mean = -rstd * sum(pd_xl) + pd_var * (1/N) * (-2 * sum(xmu))        (CANN keeps this term)
+        pd_mean = -rstd * sum(pd_xl) + pd_var * (1/N) * (-2 * sum(xmu))        (MEAN_TERM: AscendC keeps it)
         pd_x    = pd_xl * rstd + pd_var * (2/N) * xmu + pd_mean / N            -> DX (x's dtype)
         res     = xmu * rstd                                                   -> RES if WRITE_RES
         PG[p] += sum_rows dy * res,  PB[p] += sum_rows dy                      (fp32 partials if PARTIALS)
 
     FROM_VAR: STAT is the variance and rstd = (var + eps)^-0.5 (LayerNormGrad); else STAT is rstd (fused op).
+    MEAN_TERM: AscendC LayerNormGrad's ``sum(xmu)`` term, 0 only when mean is the row's mean; the fused op
+    (aclnnLayerNormBackward, whose golden is ATen's ``native_layer_norm_backward``) leaves it out.
     Persistent grid: program p takes tiles p, p + P, ... Bytes (fused): ``M*N*(s_dy + s_x + s_dx) + 8*M + N*s_g +
     2*P*N*4``; LayerNormGrad: ``M*N*(s_dy + s_x + 2*s_x) + 8*M + N*s_g``.
     """
@@ -109,7 +112,9 @@ def layer_norm_bwd_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, stride_dy
         xmu = tl.where(mask, x - mean[:, None], 0.0)
         pd_xl = dy * g[None, :]
         pd_var = -0.5 * rstd * rstd * rstd * tl.sum(pd_xl * xmu, axis=1)
-        pd_mean = -rstd * tl.sum(pd_xl, axis=1) + pd_var * (-2.0 * tl.sum(xmu, axis=1)) / N
+        pd_mean = -rstd * tl.sum(pd_xl, axis=1)
+        if MEAN_TERM:
+            pd_mean += pd_var * (-2.0 * tl.sum(xmu, axis=1)) / N
         pd_x = pd_xl * rstd[:, None] + (pd_var * (2.0 / N))[:, None] * xmu + (pd_mean / N)[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], pd_x.to(DX.dtype.element_ty), mask=mask)
         res = xmu * rstd[:, None]
@@ -126,7 +131,7 @@ def layer_norm_bwd_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, stride_dy
 @triton.jit
 def layer_norm_bwd_looped_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, stride_dy, stride_x, stride_dx,
                                  stride_res, eps, rows_per_program, BLOCK_N: tl.constexpr, FROM_VAR: tl.constexpr,
-                                 WRITE_RES: tl.constexpr, PARTIALS: tl.constexpr):
+                                 WRITE_RES: tl.constexpr, PARTIALS: tl.constexpr, MEAN_TERM: tl.constexpr):
     """:func:`layer_norm_bwd_kernel` for rows wider than a register tile: per row, pass 1 accumulates the three
     row sums over column blocks, pass 2 reloads dy and x (L2), writes pd_x (and res) and adds into the
     program's own fp32 partial rows (first row stores; P <= M so every partial row is written). Bytes as
@@ -155,9 +160,12 @@ def layer_norm_bwd_looped_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, st
             pd_xl = dy * g
             s1 += pd_xl * xmu
             s2 += pd_xl
-            s3 += xmu
+            if MEAN_TERM:
+                s3 += xmu
         pd_var = -0.5 * rstd * rstd * rstd * tl.sum(s1, axis=0)
-        pd_mean = -rstd * tl.sum(s2, axis=0) + pd_var * (-2.0 * tl.sum(s3, axis=0)) / N
+        pd_mean = -rstd * tl.sum(s2, axis=0)
+        if MEAN_TERM:
+            pd_mean += pd_var * (-2.0 * tl.sum(s3, axis=0)) / N
         for c0 in range(0, N, BLOCK_N):
             c = c0 + cols
             mask = (c < N) & live

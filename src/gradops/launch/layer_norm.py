@@ -61,7 +61,10 @@ def _backward(dy: Tensor, x: Tensor, mean: Tensor, stat: Tensor, gamma: Tensor, 
     out_res = res if res is not None else dx
     args = (dy, x, mean.contiguous(), stat.contiguous(), gamma.contiguous(), dx, out_res, pg, pb, m, n, dy.stride(0),
             x.stride(0), dx.stride(0), out_res.stride(0), float(eps), per_program)
-    flags = {"FROM_VAR": res is not None, "WRITE_RES": res is not None, "PARTIALS": parts is not None,
+    # LayerNormGrad (variance in, res out) is AscendC's formula, sum(x - mean) term included; the fused
+    # backward (rstd in) is aclnnLayerNormBackward's, without it.
+    ascendc = res is not None
+    flags = {"FROM_VAR": ascendc, "WRITE_RES": ascendc, "PARTIALS": parts is not None, "MEAN_TERM": ascendc,
              "num_warps": cfg.num_warps}
     if cfg.looped:
         launch(layer_norm_bwd_looped_kernel, (programs,), *args, BLOCK_N=cfg.block_n, **flags)

@@ -8,6 +8,9 @@ arguments' metadata (each tensor's shape, dtype, device; each scalar's value) an
 call of a shape, planning is one key and one lookup (at 8 x 8 fp32 on the 2-core CI VM, 2026-11-23: the check and
 the choice apart 3.3 µs, the remembered plan 1.1 µs for one tensor).
 
+float64 arguments (the PyTorch API's superset of CANN's tables) are planned onto :func:`gradops.backend.wide`,
+the reference computing in float64, when the plan is made: a remembered plan costs the same for every dtype.
+
 What is never remembered is the same as for :func:`gradops.contract._memo.remembered`: refusals (raised afresh,
 with the message of the arguments at hand) and arguments that are not plain tensors or simple scalars. A plan also
 lapses when the backend module it was decided for is no longer the one loaded (see :func:`gradops.backend.choose`).
@@ -21,7 +24,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-from ..backend import Choice, choose_with_token, environment_key, shaped
+import torch
+
+from ..backend import Choice, choose_with_token, environment_key, shaped, wide_with_token
 from ..contract._memo import LIMIT, key_of
 
 
@@ -56,11 +61,13 @@ class Planner:
     """``planner(*args) -> CallPlan`` for one op: ``check(*args)`` then the backend for ``args[device_arg]``'s
     device, remembered (see the module docstring). ``check`` must take the op's positional arguments only;
     ``adapter(fn, shape, *args)`` runs a backend's 2-D function ``fn`` on the op's arguments (views in, results
-    back in the op's shapes); None for an op whose body calls ``backend.fn`` itself."""
+    back in the op's shapes); None for an op whose body calls ``backend.fn`` itself. ``values``: the positions of
+    the arguments whose float64 dtype means "compute in float64" (default: every tensor argument; embedding's
+    float64 indices are only indices)."""
 
     def __init__(self, op: str, check: Callable[..., Any], device_arg: int = 0,
-                 adapter: Callable[..., Any] | None = None) -> None:
-        self.op, self.check, self.device_arg, self.adapter = op, check, device_arg, adapter
+                 adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None) -> None:
+        self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
         _PLANNERS.append(self)
 
@@ -85,11 +92,20 @@ class Planner:
         return entry[0]
 
     def _plan(self, shape: Any, args: tuple) -> tuple[CallPlan, str, object]:
-        choice, token, module = choose_with_token(self.op, args[self.device_arg].device)
-        run = shaped(self.op, choice)
+        device = args[self.device_arg].device
+        if self._float64(args):
+            choice, token, module = wide_with_token(self.op, device)
+            run = None  # the reference has no shaped entries
+        else:
+            choice, token, module = choose_with_token(self.op, device)
+            run = shaped(self.op, choice)
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
         return CallPlan(shape, choice, run), token, module
+
+    def _float64(self, args: tuple) -> bool:
+        picked = args if self.values is None else [args[i] for i in self.values]
+        return any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in picked)
 
     def forget(self) -> None:
         """Drop the remembered plans."""

@@ -26,8 +26,9 @@ def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_we
     return own(fn(fit(grad, plan), idx, num_weights, padding_idx, scale_grad_by_freq))
 
 
+# values=(0,): float64 indices are one of CANN's nine index dtypes, not a reason to compute in float64.
 plan_embedding_dense_backward = Planner("embedding_dense_backward", contract.check_embedding_dense_backward,
-                                        adapter=_embedding_dense_backward_2d)
+                                        adapter=_embedding_dense_backward_2d, values=(0,))
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -71,7 +72,7 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
     Args:
         grad: (..., E) with 2 to 8 dims whose leading dims flatten to ``indices.numel()``; float16 / bfloat16 /
-            float32.
+            float32, or float64 (beyond CANN: summed in float64).
         indices: any of the seed's nine dtypes; floats are truncated toward zero, bool reads as 0/1. Every
             value must lie in ``[0, num_weights)`` (else OpError 161002; nothing is read or written).
         num_weights: rows of the table (V).
@@ -142,7 +143,7 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     """The embedding lookup ``out = weight[indices]``, differentiable through :func:`embedding_dense_backward`.
 
     Args:
-        weight: (V, E) table, float16 / bfloat16 / float32.
+        weight: (V, E) table, float16 / bfloat16 / float32 / float64.
         indices: 0 to 7 dims, any of the backward's nine index dtypes (floats truncated toward zero); every
             value must lie in ``[0, V)`` (else OpError 161002).
         padding_idx: CANN's rule: a value in ``[0, V)`` names the row whose gradient stays zero; any other

@@ -59,8 +59,9 @@ _hardswish.register_autograd(_backward, setup_context=_setup)
 
 def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     """``y = x * clamp(x + 3, 0, 6) / 6``; differentiable through :func:`hardswish_backward` (CANN's closed
-    interval at +-3, see there). float16 / bfloat16 / float32, 0 to 8 dims, any strides. ``out``: optional
-    preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not differentiable)."""
+    interval at +-3, see there). float16 / bfloat16 / float32 (or float64, beyond CANN), 0 to 8 dims, any strides.
+    ``out``: optional preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not
+    differentiable)."""
     if out is not None:
         plan = plan_hardswish(self)
         refuse_autograd("hardswish", self)
@@ -75,7 +76,7 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
 
     Args:
         grad_output: gradient of the forward's output, dtype and shape of ``self`` (no broadcasting).
-        self: the forward's input, float16 / bfloat16 / float32, 0 to 8 dims.
+        self: the forward's input, float16 / bfloat16 / float32 (or float64, computed in float64), 0 to 8 dims.
         out: optional preallocated result (self's shape and dtype, any strides) to write into.
 
     Returns:

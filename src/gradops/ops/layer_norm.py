@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..contract import layer_norm as contract
+from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
 from ._direct import BODY, DirectOp, eager_path, fit, own
@@ -40,7 +41,7 @@ _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
 @_layer_norm.register_fake
 def _(x, gamma, beta, epsilon):
     check_layer_norm(x, gamma, beta, epsilon)
-    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    stat = x.new_empty(x.shape[:-1], dtype=accumulator(x.dtype))
     return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 
@@ -120,8 +121,8 @@ _layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_back
 @_layer_norm_backward.register_fake
 def _(dy, x, mean, rstd, gamma):
     check_layer_norm_backward(dy, x, mean, rstd, gamma)
-    return x.new_empty(x.shape), gamma.new_empty(gamma.shape, dtype=torch.float32), \
-        gamma.new_empty(gamma.shape, dtype=torch.float32)
+    acc = accumulator(x.dtype)
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape, dtype=acc), gamma.new_empty(gamma.shape, dtype=acc)
 
 
 def _setup(ctx, inputs, output):
@@ -148,12 +149,13 @@ def _backward(ctx, dy, dmean, dvar):
         dx, dgamma, dbeta = _layer_norm_backward(*args)
     if dmean is not None or dvar is not None:  # statistics used downstream: dmean/dx = 1/H, dvar/dx = 2(x-mean)/H
         h = x.shape[-1]
-        extra = x.new_zeros(x.shape, dtype=torch.float32)
+        acc = var.dtype  # float32, float64 beside float64 x
+        extra = x.new_zeros(x.shape, dtype=acc)
         if dmean is not None:
             extra = extra + dmean.unsqueeze(-1) / h
         if dvar is not None:
-            extra = extra + dvar.unsqueeze(-1) * 2.0 * (x.float() - mean.unsqueeze(-1)) / h
-        dx = (dx.float() + extra).to(x.dtype)
+            extra = extra + dvar.unsqueeze(-1) * 2.0 * (x.to(acc) - mean.unsqueeze(-1)) / h
+        dx = (dx.to(acc) + extra).to(x.dtype)
     return dx, dgamma.to(gamma.dtype), dbeta.to(ctx.beta_dtype), None
 
 
@@ -173,14 +175,15 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
     ``out``: optional preallocated ``(y, mean, variance)`` (see :mod:`gradops.ops._out`; not differentiable).
 
     Returns:
-        ``(y, mean, variance)``: y in x's dtype; mean and the biased variance in float32 of shape ``x.shape[:-1]``
+        ``(y, mean, variance)``: y in x's dtype; mean and the biased variance in float32 (float64 for float64 x,
+        which the PyTorch API takes beyond CANN's table and computes in float64) of shape ``x.shape[:-1]``
         (the statistics AscendC LayerNormGrad takes).
     """
     if out is not None:
         plan = plan_layer_norm(x, gamma, beta, epsilon)
         rows, cols = plan.shape
         refuse_autograd("layer_norm", x, gamma, beta)
-        stat = (x.shape[:-1], torch.float32)
+        stat = (x.shape[:-1], accumulator(x.dtype))
         return _into("layer_norm", plan, x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
                      [(x.shape, x.dtype), stat, stat], [(rows, cols), (rows,), (rows,)], x=x, gamma=gamma, beta=beta)
     return _layer_norm(x, gamma, beta, epsilon, check=check_layer_norm)
@@ -226,20 +229,27 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                         out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNormGrad + LayerNormGradBeta fused: reads dy and x once (3·M·N·s bytes instead of 5).
-    ``out``: optional preallocated ``(dx, dgamma, dbeta)`` (see :mod:`gradops.ops._out`).
+    """aclnnLayerNormBackward (mean and rstd in): dx, dgamma and dbeta in one pass over dy and x (3·M·N·s bytes
+    where LayerNormGrad + LayerNormGradBeta move 5). ``out``: optional preallocated ``(dx, dgamma, dbeta)`` (see
+    :mod:`gradops.ops._out`).
+
+    dx is aclnnLayerNormBackward's formula, whose golden in CANN's own tests is ATen's
+    ``native_layer_norm_backward``: with ``g = dy·gamma`` and ``xhat = (x − mean)·rstd``, ``dx = rstd·(g −
+    mean(g) − xhat·mean(g·xhat))``. :func:`layer_norm_grad` (variance in) keeps AscendC LayerNormGrad's
+    term-by-term formula, whose extra ``Σ(x − mean)`` term is 0 only when mean is x's row mean: with statistics
+    from :func:`layer_norm` the two agree to rounding, with statistics unrelated to x they differ (issue 17).
 
     Returns:
-        ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32. ``rstd = (variance + eps)^-0.5``
-        (not the variance :func:`layer_norm` returns); a negative rstd (a mean passed in its place, typically) is
-        refused with OpError 161002.
+        ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32 (float64 for float64 x).
+        ``rstd = (variance + eps)^-0.5`` (not the variance :func:`layer_norm` returns); a negative rstd (a mean
+        passed in its place, typically) is refused with OpError 161002.
     """
     if out is not None:
         plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)
         rows, cols = plan.shape
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
         args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
-        grads = (gamma.shape, torch.float32)
+        grads = (gamma.shape, accumulator(x.dtype))
         return _into("layer_norm_backward", plan, x.device, args, out, [(x.shape, x.dtype), grads, grads],
                      [(rows, cols), None, None], dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
     return _layer_norm_backward(dy, x, mean, rstd, gamma, check=check_layer_norm_backward)

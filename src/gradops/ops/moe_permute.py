@@ -103,7 +103,7 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
     """aclnnMoeTokenPermute: group token copies by expert; differentiable w.r.t. tokens.
 
     Args:
-        tokens: (T, H), float16 / bfloat16 / float32.
+        tokens: (T, H), float16 / bfloat16 / float32, or float64 (beyond CANN's table).
         indices: (T, K) or (T,) expert ids, int32 / int64, 1 <= K <= 512.
         num_out_tokens: keep only the first rows of the permuted order (token dropping); None or 0 keeps all
             T*K, negative values count from the end as in a Python slice.
@@ -206,7 +206,10 @@ def _(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
 
 def _unpermute_setup(ctx, inputs, output):
     permuted_tokens, sorted_indices, probs, _ = inputs
-    ctx.save_for_backward(permuted_tokens, sorted_indices, probs)
+    # Save only what the backward reads: permuted_tokens feeds grad_probs alone, so without probs it is not kept
+    # alive until the backward (A·H elements of activation memory; torch_npu's test asserts the same).
+    ctx.save_for_backward(permuted_tokens if probs is not None else None, sorted_indices, probs)
+    ctx.permuted = (permuted_tokens.shape, permuted_tokens.dtype, permuted_tokens.device)
     ctx.set_materialize_grads(False)
 
 
@@ -214,6 +217,11 @@ def _unpermute_backward(ctx, grad):
     if grad is None:
         return None, None, None, None
     permuted_tokens, sorted_indices, probs = ctx.saved_tensors
+    if permuted_tokens is None:
+        # The backends take permuted_tokens for its shape and dtype only when there are no probs (its values are
+        # never read): an uninitialised stand-in, untouched, costs an allocation and no traffic.
+        shape, dtype, device = ctx.permuted
+        permuted_tokens = torch.empty(shape, dtype=dtype, device=device)
     if eager_path(permuted_tokens, grad, sorted_indices, probs) == BODY:
         # sorted_indices passed the forward's permutation test, and autograd's saved-tensor version check refuses
         # it if it changed since: no second test (a host pass on CPU, a sort on CUDA).
@@ -238,13 +246,13 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     :func:`moe_token_unpermute_grad`).
 
     Args:
-        permuted_tokens: (A, H) float16 / bfloat16 / float32, A <= T*K (fewer when the permute dropped tokens:
-            indices >= A then add nothing).
+        permuted_tokens: (A, H) float16 / bfloat16 / float32 (or float64), A <= T*K (fewer when the permute
+            dropped tokens: indices >= A then add nothing).
         sorted_indices: (T*K,) int32 (int64 accepted), CANN's convention (as :func:`moe_token_permute` returns),
             a permutation of [0, T*K): an entry outside it or a repeated one raises OpError 161002 before
             anything is read with it.
-        probs: (T, K) float16 / bfloat16 / float32 routing weights, or None: then K = 1 and the result is the
-            plain inverse gather.
+        probs: (T, K) float16 / bfloat16 / float32 (or float64) routing weights, or None: then K = 1 and the
+            result is the plain inverse gather.
         padded_mode: must be False (CANN supports only False). restore_shape: read by CANN only in padded
             mode; None or a sequence of ints, ignored.
         out: optional preallocated (T, H) in permuted_tokens' dtype (see :mod:`gradops.ops._out`; not
@@ -276,7 +284,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
         grad_probs[t, k] = sum_h grad_unpermuted[t, h] * permuted_tokens[sorted_indices[t*K + k], h]  (0 if dropped)
 
     Args:
-        permuted_tokens: the forward's (A, H) input. grad_unpermuted: (T, H), float16 / bfloat16 / float32.
+        permuted_tokens: the forward's (A, H) input. grad_unpermuted: (T, H), float16 / bfloat16 / float32 / float64.
         sorted_indices: (T*K,) as for :func:`moe_token_unpermute` (a permutation of [0, T*K), else 161002).
         probs: the forward's (T, K) probs, or None (K = 1, weight 1).
         padded_mode: must be False. restore_shape: None or ints, ignored (as in the forward).

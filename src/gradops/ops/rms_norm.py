@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..contract import rms_norm as contract
+from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ._direct import DirectOp, fit, own
 from ._out import check_out, refuse_autograd, run_into
@@ -37,7 +38,7 @@ _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
 @_rms_norm_grad.register_fake
 def _(dy, x, rstd, gamma):
     check_rms_norm_grad(dy, x, rstd, gamma)
-    return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=torch.float32)
+    return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=accumulator(dy.dtype))
 
 
 def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -60,7 +61,7 @@ _rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
 @_rms_norm.register_fake
 def _(x, gamma, epsilon):
     plan = check_rms_norm(x, gamma, epsilon)
-    return x.new_empty(x.shape), x.new_empty(plan.rstd_shape, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(plan.rstd_shape, dtype=accumulator(x.dtype))
 
 
 def _setup(ctx, inputs, output):
@@ -76,7 +77,8 @@ def _backward(ctx, dy, drstd):
     dx, dgamma = _rms_norm_grad(dy if dy is not None else torch.zeros_like(x), x, rstd, gamma)
     if drstd is not None:  # rstd used downstream: d rstd / dx = -rstd^3 * x / D
         d = gamma.numel()
-        dx = (dx.float() - drstd * rstd ** 3 * x.float() / d).to(x.dtype)
+        acc = rstd.dtype  # float32, float64 beside float64 x
+        dx = (dx.to(acc) - drstd * rstd ** 3 * x.to(acc) / d).to(x.dtype)
     return dx, dgamma.to(gamma.dtype), None
 
 
@@ -86,13 +88,14 @@ _rms_norm.register_autograd(_backward, setup_context=_setup)
 def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tensor, Tensor]:
     (rows, cols, rstd_shape), backend, _ = plan_rms_norm(x, gamma, epsilon)
     refuse_autograd("rms_norm", x, gamma)
-    outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, torch.float32)], x.device, x=x, gamma=gamma)
+    outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, accumulator(x.dtype))], x.device, x=x,
+                     gamma=gamma)
     return run_into(backend.fn, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
 
 
 def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
     (rows, cols, _), backend, _ = plan_rms_norm_grad(dy, x, rstd, gamma)
-    outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, torch.float32)], x.device,
+    outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, accumulator(dy.dtype))], x.device,
                      dy=dy, x=x, rstd=rstd, gamma=gamma)
     args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
     return run_into(backend.fn, args, outs, [(rows, cols), (cols,)])
@@ -103,14 +106,14 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
     """RmsNorm forward (aclnnRmsNorm), differentiable through :func:`rms_norm_grad`.
 
     Args:
-        x: input of 1 to 8 dims, float16 / bfloat16 / float32.
+        x: input of 1 to 8 dims, float16 / bfloat16 / float32, or float64 (beyond CANN: computed in float64).
         gamma: scale, shape ``x.shape[-gamma.dim():]``; dtype of x, or float32 with half x.
         epsilon: added to ``mean(x^2)`` under the square root.
         out: optional preallocated ``(y, rstd)`` to write into (see :mod:`gradops.ops._out`; not differentiable).
 
     Returns:
-        ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 of shape
-        ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
+        ``(y, rstd)``: y in x's dtype; ``rstd = 1/sqrt(mean(x^2) + epsilon)`` in float32 (float64 for float64 x)
+        of shape ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
     """
     if out is not None:
         return _rms_norm_into(x, gamma, epsilon, out)
@@ -124,16 +127,18 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
     Args:
         dy: gradient of y, shape and dtype of x.
         x: the forward's input, 1 to 8 dims.
-        rstd: float32, ``x.shape[:k]`` with ``k = x.dim() - gamma.dim()``, its keepdim form, or a shorter prefix
-            when the skipped dims of x are 1. Used as given (eps is already inside it).
+        rstd: float32 (or float64 beside float64 x), ``x.shape[:k]`` with ``k = x.dim() - gamma.dim()``, its
+            keepdim form, or a shorter prefix when the skipped dims of x are 1. Used as given (eps is already
+            inside it).
         gamma: the forward's scale, shape ``x.shape[k:]``; dtype of x or float32 (with half x).
         out: optional preallocated ``(dx, dgamma)`` to write into (see :mod:`gradops.ops._out`).
 
     Returns:
-        ``(dx, dgamma)``: dx in dy's dtype; dgamma float32 in gamma's shape.
+        ``(dx, dgamma)``: dx in dy's dtype; dgamma float32 (float64 for float64 dy) in gamma's shape.
 
     Raises:
-        OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table, 561002 for a shape
+        OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table (plus float64 throughout,
+            the PyTorch API's superset; :mod:`gradops.aclnn` keeps the seed's), 561002 for a shape
             rule (CANN checks shapes while tiling).
     """
     if out is not None:
