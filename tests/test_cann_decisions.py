@@ -147,3 +147,40 @@ def test_moe_unpermute_saves_permuted_tokens_only_when_probs_need_them(backend, 
     want = torch.empty(6, 8)
     want[sorted_indices.long()] = up * scale
     torch.testing.assert_close(permuted.grad, want)
+
+
+def _aclnn_embedding(grad, idx, num_weights, out) -> int:
+    from gradops import aclnn
+
+    status, size, executor = aclnn.aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad, idx, num_weights, 2, True, out)
+    if status:
+        return status
+    workspace = torch.empty(size, dtype=torch.uint8) if size else None
+    return aclnn.aclnnEmbeddingDenseBackward(workspace, size, executor, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_embedding_backward_writes_a_float32_out_for_half_grad_on_both_surfaces(backend, dtype):
+    """Item 2: CANN's own opapi unit tests for aclnnEmbeddingDenseBackward (cases 5 and 6) expect a float32 out
+    beside float16 / bfloat16 grad to succeed; the seed's table (out in grad's dtype) refused it with 161002. The
+    result is the float32 sums unrounded: bit for bit what a float32 grad of the same values gives."""
+    grad = torch.randn(40, 6).to(dtype)
+    idx = torch.randint(0, 5, (40,))
+    want = gradops.embedding_dense_backward(grad.float(), idx, 5, 2, True)
+    out = torch.full((5, 6), float("nan"))
+    assert _aclnn_embedding(grad, idx, 5, out) == 0
+    assert torch.equal(out, want)
+    out2 = torch.full((5, 6), float("nan"))
+    assert gradops.embedding_dense_backward(grad, idx, 5, 2, True, out=out2) is out2
+    assert torch.equal(out2, want)
+
+
+@pytest.mark.parametrize("grad_dtype, out_dtype", [(torch.float32, torch.float16), (torch.float16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float64), (torch.float32, torch.float64)])
+def test_embedding_backward_refuses_an_out_that_loses_or_changes_precision(grad_dtype, out_dtype):
+    """Only the widening to float32 is accepted; any other out dtype stays 161002 on both surfaces."""
+    grad, idx = torch.randn(4, 3).to(grad_dtype), torch.tensor([0, 1, 1, 2])
+    out = torch.empty(3, 3, dtype=out_dtype)
+    assert _aclnn_embedding(grad, idx, 3, out) == gradops.status.ACLNN_ERR_PARAM_INVALID
+    with pytest.raises(gradops.OpError, match=r"out\.dtype"):
+        gradops.embedding_dense_backward(grad, idx, 3, -1, False, out=out)

@@ -1,7 +1,8 @@
 """aclnnEmbeddingDenseBackward, two-phase (seed 001).
 
 Validation is :mod:`gradops.contract.embedding` with ``cann=True`` (nulls 161001; dtypes, ranks, shapes 161002;
-out must have grad's dtype and shape (numWeights, E)). Indices are read when the executor runs: values outside
+out must have grad's dtype, or float32 beside float16 / bfloat16 grad as CANN's own opapi tests expect, and shape
+(numWeights, E)). Indices are read when the executor runs: values outside
 ``[0, numWeights)`` after CANN's conversion (floats truncated toward zero) return 161002 from phase 2 and leave
 ``out`` untouched. Non-contiguous grad, indices and out are supported.
 
@@ -46,7 +47,8 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
         numWeights: rows of the table (uint64).
         paddingIdx: uint64 bit pattern of a signed row index; negative (>= 2**63) or >= numWeights: no padding.
         scaleGradByFreq: divide each row by its index's count.
-        out: (numWeights, E) in grad's dtype; written by phase 2.
+        out: (numWeights, E) in grad's dtype, or float32 beside float16 / bfloat16 grad (the float32 sums
+            unrounded); written by phase 2.
 
     Returns:
         ``(status, workspace_size, executor)``.
@@ -61,13 +63,16 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
         return refused(e)
     rows, dim = called.shape
     device = grad.device
+    # A float32 out for float16 / bfloat16 grad (CANN's opapi tests, cases 5 and 6): the kernels sum in float32
+    # whatever grad's dtype, so grad widened to float32 at run time gives those sums unrounded, bit for bit.
+    widen = out.dtype != grad.dtype
 
-    def args(idx):
-        return grad.reshape(rows, dim), idx, numWeights, padding, scaleGradByFreq
+    def args(idx, g=grad):
+        return g.reshape(rows, dim), idx, numWeights, padding, scaleGradByFreq
 
     def compute(impl, kw):
         idx = checked_indices(indices, numWeights)  # reads the data present now (161002 if out of range)
-        return impl(*args(idx), **kw)
+        return impl(*args(idx, grad.float() if widen else grad), **kw)
 
     # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
     stand_in = torch.zeros((), dtype=torch.int64, device=device).expand(rows)

@@ -17,6 +17,7 @@ from ..status import OpError
 from ._common import (
     MAX_RANK,
     TORCH_FLOATS,
+    dtype_name,
     fail,
     floats,
     numel,
@@ -25,7 +26,6 @@ from ._common import (
     require_present,
     require_rank,
     require_same_device,
-    require_same_dtype,
     require_shape,
     shape_text,
 )
@@ -53,7 +53,7 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
     require_dtype(op, "grad", grad, floats(cann))
     require_dtype(op, "indices", indices, INDEX_DTYPES)
     if cann:
-        require_same_dtype(op, "out", out, "grad", grad)
+        require_out_dtype(op, "out", out, grad)
     require_rank(op, "grad", grad, 2, MAX_RANK)
     require_rank(op, "indices", indices, 0, MAX_RANK)
     dim = grad.shape[-1]
@@ -63,6 +63,22 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
     if cann:
         require_shape(op, "out", out, (num_weights, dim), "(numWeights, grad.shape[-1])")
     return EmbeddingPlan(indices.numel(), dim)
+
+
+def out_dtypes(grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The table dtypes a ``grad`` of this dtype may be written into: its own, and float32 beside float16 /
+    bfloat16 grad. The seed's table says out has grad's dtype; CANN's own opapi unit tests for
+    aclnnEmbeddingDenseBackward (cases 5 and 6) expect a float32 out for float16 / bfloat16 grad to succeed, and it
+    only keeps more of the float32 sums (issue 17): accepted on both surfaces."""
+    return (grad_dtype, torch.float32) if grad_dtype in (torch.float16, torch.bfloat16) else (grad_dtype,)
+
+
+def require_out_dtype(op: str, name: str, out, grad) -> None:
+    """``out`` (the (V, E) table) in one of :func:`out_dtypes` of grad's dtype (OpError 161002 otherwise)."""
+    allowed = out_dtypes(grad.dtype)
+    if out.dtype not in allowed:
+        raise fail(INVALID, op, f"{name}.dtype", f"grad's dtype {dtype_name(grad.dtype)}"
+                   + (" or float32" if len(allowed) > 1 else ""), dtype_name(out.dtype))
 
 
 def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -> None:

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..contract import embedding as contract
 from ..contract._memo import remembered
-from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table
+from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
 from ._direct import BODY, DirectOp, eager_path, fit, own
 from ._out import check_out, run_into
@@ -79,8 +79,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         padding_idx: signed; a value outside ``[0, num_weights)``, e.g. the default -1, means no padding row
             (CANN's rule: Python's ``nn.Embedding`` normalisation of negatives does not apply here).
         scale_grad_by_freq: divide by each index's count over all occurrences, padding included.
-        out: optional preallocated (num_weights, E) table in grad's dtype to write into (every row is written;
-            see :mod:`gradops.ops._out`).
+        out: optional preallocated (num_weights, E) table to write into (every row is written; see
+            :mod:`gradops.ops._out`): grad's dtype, or float32 beside float16 / bfloat16 grad (the float32 sums
+            unrounded, as CANN's own opapi tests accept).
 
     Returns:
         (num_weights, E) in grad's dtype.
@@ -89,10 +90,14 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     padding_idx = no_padding_outside_table(padding_idx, num_weights)
     if out is not None:
-        outs = check_out("embedding_dense_backward", out, [((num_weights, grad.shape[-1]), grad.dtype)], grad.device,
-                         grad=grad, indices=indices)
+        # A float32 out beside float16 / bfloat16 grad keeps the float32 sums unrounded (contract.out_dtypes): the
+        # backends sum in float32, so grad widened to float32 gives exactly those sums.
+        widen = isinstance(out, Tensor) and out.dtype != grad.dtype and out.dtype in out_dtypes(grad.dtype)
+        table = ((num_weights, grad.shape[-1]), out.dtype if widen else grad.dtype)
+        outs = check_out("embedding_dense_backward", out, [table], grad.device, grad=grad, indices=indices)
         idx = checked_indices(indices, num_weights)
-        args = (grad.reshape(plan.shape), idx, num_weights, padding_idx, scale_grad_by_freq)
+        args = ((grad.float() if widen else grad).reshape(plan.shape), idx, num_weights, padding_idx,
+                scale_grad_by_freq)
         return run_into(plan.backend.fn, args, outs, [None])[0]
     return _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
