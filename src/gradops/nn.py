@@ -3,7 +3,11 @@
 Each class subclasses the PyTorch module it replaces, so construction arguments, ``reset_parameters``,
 ``state_dict`` keys, ``extra_repr`` and hooks are inherited unchanged; only ``forward`` differs. Gradients equal
 PyTorch's own modules up to float32 rounding, except :class:`Hardswish` at exactly x = +-3, where gradops follows
-CANN's closed interval (d(-3) = -0.5, d(3) = 1.5; PyTorch >= 2.8 gives 0 and 1).
+CANN's closed interval (d(-3) = -0.5, d(3) = 1.5; PyTorch >= 2.8 gives 0 and 1). Double backward
+(``create_graph=True``: gradient penalties, ``gradgradcheck``) works through :class:`RMSNorm`, :class:`LayerNorm`,
+:class:`Hardswish` (second derivative 1/3 on the closed interval [-3, 3]) and :class:`Embedding` (with
+``scale_grad_by_freq`` the true derivative, which keeps the 1/count that ATen's double backward drops); the MoE
+modules refuse it.
 
 Inputs are float16 / bfloat16 / float32 (CANN's dtypes), with parameters of the input's dtype or float32 beside
 half inputs, or float64 with float64 parameters, as torch's modules take it (``model.double()``,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..contract import embedding as contract
+from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
@@ -142,6 +144,51 @@ def _embedding_backward(ctx, grad):
 
 
 _embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+# ------------------------------------------------- the backward's own derivative: double backward through a lookup
+
+
+def embedding_dense_backward_vjp(v: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                                 scale_grad_by_freq: bool) -> Tensor:
+    """The exact vector-Jacobian product of :func:`embedding_dense_backward` with ``v`` (V, E), flat (N, E).
+
+    The op is linear in grad: ``out[k] = sum_{i: idx_i = k} w_i * grad_i`` with ``w_i = 0`` for the padding row
+    (CANN's rule: padding_idx in ``[0, V)`` names a row, anything else none), else ``1 / count[idx_i]`` with
+    scale_grad_by_freq (every occurrence counted, padding included), else 1. So ``d grad_i = w_i * v[idx_i]``: a
+    gather, built from torch ops, hence itself differentiable (its derivative is the scatter-add, i.e. the op
+    again). ATen's own double backward drops the ``1 / count`` factor (FunctionsManual.cpp: "the first backward
+    takes care of it"), which is not the derivative when scale_grad_by_freq is set; this keeps it. Indices as the
+    op reads them (floats truncated toward zero); they passed the op's range test, and autograd's saved-tensor
+    version check guards them.
+    """
+    idx = flat_indices(indices)
+    rows = v.index_select(0, idx)
+    if scale_grad_by_freq:
+        _, inverse, counts = torch.unique(idx, return_inverse=True, return_counts=True)
+        acc = accumulator(v.dtype)
+        rows = (rows.to(acc) / counts.to(acc)[inverse][:, None]).to(v.dtype)
+    if 0 <= padding_idx < num_weights:
+        rows = rows.masked_fill((idx == padding_idx)[:, None], 0)
+    return rows
+
+
+def _embedding_dense_backward_setup(ctx, inputs, output):
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    ctx.grad_shape = grad.shape
+    ctx.args = (int(num_weights), padding_idx, scale_grad_by_freq)
+
+
+def _embedding_dense_backward_backward(ctx, v):
+    (indices,) = ctx.saved_tensors
+    if v is None:
+        return None, None, None, None, None
+    return embedding_dense_backward_vjp(v, indices, *ctx.args).reshape(ctx.grad_shape), None, None, None, None
+
+
+_embedding_dense_backward.register_autograd(_embedding_dense_backward_backward,
+                                            setup_context=_embedding_dense_backward_setup)
 
 
 def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..contract import hardswish as contract
 from ..contract._memo import remembered
 from ._direct import DirectOp, own
+from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
 
@@ -30,6 +32,20 @@ _hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backwar
 def _(grad_output, self):
     check_hardswish_backward(grad_output, self)
     return torch.empty_like(self)
+
+
+def _hardswish_backward_formula(grad_output: Tensor, self: Tensor) -> tuple[Tensor]:
+    return (reference.hardswish_backward(grad_output, self, compute_dtype(grad_output, self)),)
+
+
+def _hardswish_backward_backward(ctx, dd):
+    """The derivative of HardswishBackward: ``dd * d(x)`` for grad_output, ``dd * grad_output / 3`` for x on the
+    closed interval [-3, 3] (0 elsewhere), the same interval as the first derivative (torch's own formula uses
+    the open one for both)."""
+    return partial_vjp(_hardswish_backward_formula, ctx.saved_tensors, (dd,))
+
+
+_hardswish_backward.register_autograd(_hardswish_backward_backward, setup_context=save_inputs)
 
 
 def _hardswish_body(self: Tensor) -> Tensor:
@@ -81,7 +97,9 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
 
     Returns:
         A new tensor (or ``out``) of self's shape and dtype. A NaN in ``self`` passes grad_output through (CANN's
-        950 kernel).
+        950 kernel). Differentiable (double backward of :func:`hardswish`) with respect to both arguments; the
+        derivative with respect to self follows the same closed interval: ``grad_output / 3`` on [-3, 3], 0 outside
+        (torch's formula: the open interval).
     """
     if out is not None:
         plan = plan_hardswish_backward(grad_output, self)

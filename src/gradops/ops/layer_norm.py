@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..contract import layer_norm as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
 from ._direct import BODY, DirectOp, eager_path, fit, own
+from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
 
@@ -123,6 +127,25 @@ def _(dy, x, mean, rstd, gamma):
     check_layer_norm_backward(dy, x, mean, rstd, gamma)
     acc = accumulator(x.dtype)
     return x.new_empty(x.shape), gamma.new_empty(gamma.shape, dtype=acc), gamma.new_empty(gamma.shape, dtype=acc)
+
+
+def _layer_norm_backward_formula(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                                 gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference aclnnLayerNormBackward on the op's own shapes (differentiable)."""
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
+    dx, dgamma, dbeta = reference.layer_norm_backward(dy.reshape(rows, cols), x.reshape(rows, cols),
+                                                      mean.reshape(rows), rstd.reshape(rows), gamma,
+                                                      compute_dtype(dy, x, mean, rstd, gamma))
+    return dx.reshape(x.shape), dgamma, dbeta
+
+
+def _layer_norm_backward_backward(ctx, ddx, ddgamma, ddbeta):
+    """The derivative of aclnnLayerNormBackward with respect to dy, x, mean, rstd (both as given: independent
+    inputs) and gamma (see :mod:`gradops.ops._double`)."""
+    return partial_vjp(_layer_norm_backward_formula, ctx.saved_tensors, (ddx, ddgamma, ddbeta))
+
+
+_layer_norm_backward.register_autograd(_layer_norm_backward_backward, setup_context=save_inputs)
 
 
 def _setup(ctx, inputs, output):
@@ -242,7 +265,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     Returns:
         ``(dx, dgamma, dbeta)``: dx in x's dtype, dgamma and dbeta in float32 (float64 for float64 x).
         ``rstd = (variance + eps)^-0.5`` (not the variance :func:`layer_norm` returns); a negative rstd (a mean
-        passed in its place, typically) is refused with OpError 161002.
+        passed in its place, typically) is refused with OpError 161002. Differentiable (double backward of
+        :func:`layer_norm`) with respect to dy, x, mean, rstd and gamma, the statistics as independent inputs.
     """
     if out is not None:
         plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..contract import rms_norm as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ._direct import DirectOp, fit, own
+from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
 
@@ -39,6 +43,24 @@ _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
 def _(dy, x, rstd, gamma):
     check_rms_norm_grad(dy, x, rstd, gamma)
     return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=accumulator(dy.dtype))
+
+
+def _rms_norm_grad_formula(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    """The reference RmsNormGrad on the op's own shapes (differentiable: views and the reference's torch ops)."""
+    cols = gamma.numel()
+    rows = math.prod(x.shape[:x.dim() - gamma.dim()])
+    dx, dgamma = reference.rms_norm_grad(dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows),
+                                         gamma.reshape(cols), compute_dtype(dy, x, rstd, gamma))
+    return dx.reshape(x.shape), dgamma.reshape(gamma.shape)
+
+
+def _rms_norm_grad_backward(ctx, ddx, ddgamma):
+    """The derivative of RmsNormGrad with respect to dy, x, rstd (as given: an independent input) and gamma
+    (see :mod:`gradops.ops._double`)."""
+    return partial_vjp(_rms_norm_grad_formula, ctx.saved_tensors, (ddx, ddgamma))
+
+
+_rms_norm_grad.register_autograd(_rms_norm_grad_backward, setup_context=save_inputs)
 
 
 def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -135,6 +157,9 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
 
     Returns:
         ``(dx, dgamma)``: dx in dy's dtype; dgamma float32 (float64 for float64 dy) in gamma's shape.
+        Differentiable (double backward of :func:`rms_norm`) with respect to dy, x, gamma and rstd, which is an
+        independent input here: its gradient is not folded into x's (through :func:`rms_norm` it reaches x as
+        the forward's ``drstd``).
 
     Raises:
         OpError: 161001 for a missing tensor, 161002 for a dtype outside the seed's table (plus float64 throughout,
