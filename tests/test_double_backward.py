@@ -19,13 +19,12 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import gradops
 import gradops.nn as gnn
+import module_cases as cases
 from gradops.ops import _direct
 
-F64 = torch.float64
-
-
-def _x(*shape):
-    return torch.randn(*shape, dtype=F64, requires_grad=True)
+F64 = cases.F64
+IDX = cases.IDX
+_x, _hardswish_input = cases.x64, cases.hardswish_input
 
 
 def _positive(*shape):
@@ -33,27 +32,8 @@ def _positive(*shape):
     return (torch.rand(*shape, dtype=F64) + 0.5).requires_grad_()
 
 
-def _hardswish_input(*shape):
-    """Values in [-5, 5] kept 1e-3 away from the kinks at -3 and 3 (the finite differences step 1e-6)."""
-    n = 1
-    for s in shape:
-        n *= s
-    x = torch.linspace(-5, 5, n, dtype=F64).reshape(shape) + 0.0123
-    assert float((x.abs() - 3).abs().min()) > 1e-3
-    return x.requires_grad_()
-
-
-IDX = torch.tensor([[1, 5, 1], [0, 2, 1]])
-
 MODULES = {
-    "RMSNorm": lambda: (gnn.RMSNorm(8).double(), (_x(3, 8),)),
-    "RMSNorm-eps-none-no-affine": lambda: (gnn.RMSNorm(8, eps=None, elementwise_affine=False).double(), (_x(3, 8),)),
-    "RMSNorm-2d": lambda: (gnn.RMSNorm((2, 4)).double(), (_x(3, 2, 4),)),
-    "LayerNorm": lambda: (gnn.LayerNorm(8).double(), (_x(3, 8),)),
-    "LayerNorm-no-bias": lambda: (gnn.LayerNorm(8, bias=False).double(), (_x(2, 3, 8),)),
-    "LayerNorm-2d": lambda: (gnn.LayerNorm((2, 4)).double(), (_x(3, 2, 4),)),
-    "Hardswish": lambda: (gnn.Hardswish(), (_hardswish_input(5, 8),)),
-    "Embedding": lambda: (gnn.Embedding(6, 4).double(), (IDX,)),
+    **cases.MODULES,
     "Embedding-padding": lambda: (gnn.Embedding(6, 4, padding_idx=1).double(), (IDX,)),
     "Embedding-negative-padding": lambda: (gnn.Embedding(6, 4, padding_idx=-5).double(), (IDX,)),
     "Embedding-scale": lambda: (gnn.Embedding(6, 4, scale_grad_by_freq=True).double(), (IDX,)),
@@ -63,19 +43,7 @@ MODULES = {
 
 
 def _as_function(name: str):
-    """Module ``name`` as a function of its float inputs and parameters (random values: a fresh norm's ones and
-    zeros would hide gamma's and beta's part), and those tensors."""
-    module, inputs = MODULES[name]()
-    names = [n for n, _ in module.named_parameters()]
-    params = [torch.randn_like(p).requires_grad_() for p in module.parameters()]
-    floats = [t for t in inputs if t.is_floating_point()]
-    fixed = [t for t in inputs if not t.is_floating_point()]
-
-    def f(*tensors):
-        args = (*tensors[:len(floats)], *fixed)
-        return torch.func.functional_call(module, dict(zip(names, tensors[len(floats):])), args)
-
-    return f, (*floats, *params)
+    return cases.as_function(MODULES, name)
 
 
 def _defined_gradient(name: str) -> bool:
@@ -253,9 +221,6 @@ def _pair(cls_g, cls_t, *args, **kwargs):
 
 
 PAIRS = {
-    "RMSNorm": lambda: _pair(gnn.RMSNorm, torch.nn.RMSNorm, 8, eps=1e-6),
-    "LayerNorm": lambda: _pair(gnn.LayerNorm, torch.nn.LayerNorm, 8),
-    "Hardswish": lambda: _pair(gnn.Hardswish, torch.nn.Hardswish),
 }
 
 
@@ -351,9 +316,6 @@ def test_second_order_under_torch_func(name, backend):
 
 # ---------------------------------------------------------------- float32 on the backend named (compiled CPU kernels)
 F32_PAIRS = {
-    "RMSNorm": lambda: (gnn.RMSNorm(64, eps=1e-6), torch.nn.RMSNorm(64, eps=1e-6)),
-    "LayerNorm": lambda: (gnn.LayerNorm(64), torch.nn.LayerNorm(64)),
-    "Hardswish": lambda: (gnn.Hardswish(), torch.nn.Hardswish()),
 }
 
 

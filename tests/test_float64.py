@@ -21,6 +21,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import gradops
 import gradops.nn as gnn
+import module_cases as cases
 from gradops import npu_compat as npu
 from gradops.aclnn import ACLNN_ERR_PARAM_INVALID as INVALID
 from gradops.aclnn import ACLNN_ERR_PARAM_NULLPTR as NULL
@@ -145,26 +146,11 @@ def test_opcheck_embedding_forward_float64():
 
 
 # ------------------------------------------------------------------------------------------------- gradcheck
-def _x(*shape):
-    return torch.randn(*shape, dtype=F64, requires_grad=True)
-
-
-def _hardswish_input():
-    """Values in [-5, 5] kept 1e-3 away from the kinks at -3 and 3 (gradcheck's finite differences step 1e-6)."""
-    x = torch.linspace(-5, 5, 40, dtype=F64).reshape(5, 8) + 0.0123
-    assert float((x.abs() - 3).abs().min()) > 1e-3
-    return x.requires_grad_()
+_x = cases.x64
 
 
 MODULES = {
-    "RMSNorm": lambda: (gnn.RMSNorm(8).double(), (_x(3, 8),)),
-    "RMSNorm-eps-none-no-affine": lambda: (gnn.RMSNorm(8, eps=None, elementwise_affine=False).double(), (_x(3, 8),)),
-    "RMSNorm-2d": lambda: (gnn.RMSNorm((2, 4)).double(), (_x(3, 2, 4),)),
-    "LayerNorm": lambda: (gnn.LayerNorm(8).double(), (_x(3, 8),)),
-    "LayerNorm-no-bias": lambda: (gnn.LayerNorm(8, bias=False).double(), (_x(2, 3, 8),)),
-    "LayerNorm-2d": lambda: (gnn.LayerNorm((2, 4)).double(), (_x(3, 2, 4),)),
-    "Hardswish": lambda: (gnn.Hardswish(), (_hardswish_input(),)),
-    "Embedding": lambda: (gnn.Embedding(6, 4).double(), (torch.tensor([[1, 5, 1], [0, 2, 1]]),)),
+    **cases.MODULES,
     "MoeTokenPermute": lambda: (gnn.MoeTokenPermute(), (_x(4, 3), torch.tensor([[0, 2], [1, 0], [2, 2], [1, 1]]))),
     "MoeTokenPermute-drop": lambda: (gnn.MoeTokenPermute(num_out_tokens=5),
                                      (_x(4, 3), torch.tensor([[0, 2], [1, 0], [2, 2], [1, 1]]))),
@@ -174,21 +160,7 @@ MODULES = {
 
 
 def _as_function(name: str):
-    """Module ``name`` as a function of its inputs and parameters (random values: the ones / zeros of a fresh norm
-    would hide gamma's and beta's part of the gradient), and those tensors."""
-    module, inputs = MODULES[name]()
-    names = [n for n, _ in module.named_parameters()]
-    params = [torch.randn_like(p).requires_grad_() for p in module.parameters()]
-    n_in = len(inputs)
-
-    def f(*tensors):
-        return _first(torch.func.functional_call(module, dict(zip(names, tensors[n_in:])), tensors[:n_in]))
-
-    return f, (*inputs, *params)
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
+    return cases.as_function(MODULES, name)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -208,7 +180,7 @@ FUNCTIONS = {
     "rms_norm": lambda: (lambda x, g: gradops.rms_norm(x, g, 1e-6), (_x(3, 8), _x(8))),
     "rms_norm-multidim-gamma": lambda: (lambda x, g: gradops.rms_norm(x, g), (_x(2, 3, 4), _x(3, 4))),
     "layer_norm": lambda: (lambda x, g, b: gradops.layer_norm(x, g, b, 1e-5), (_x(3, 8), _x(8), _x(8))),
-    "hardswish": lambda: (gradops.hardswish, (_hardswish_input(),)),
+    "hardswish": lambda: (gradops.hardswish, (cases.hardswish_input(5, 8),)),
     "embedding": lambda: (lambda w: gradops.embedding(w, torch.tensor([4, 0, 4, 2])), (_x(5, 3),)),
     "embedding-float-indices": lambda: (lambda w: gradops.embedding(w, torch.tensor([4.7, 0.2, 4.0], dtype=F64)),
                                         (_x(5, 3),)),
@@ -229,14 +201,6 @@ FUNCTIONS = {
 def test_gradcheck_functions(name, backend):
     fn, inputs = FUNCTIONS[name]()
     assert gradcheck(fn, inputs)
-
-
-@pytest.mark.parametrize("name", [n for n in MODULES if not n.startswith("Moe")])
-def test_gradgradcheck_modules(name, backend):
-    """Second derivatives through gradops' backward ops (their registered derivatives) against finite differences
-    of the first backward, as torch's own modules pass."""
-    f, tensors = _as_function(name)
-    assert gradgradcheck(f, tensors)
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("Moe")])
