@@ -23,8 +23,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # triton 3.6 is what the lent GPU machines run: the interpreter tier tests the same Triton.
   # accelerate: transformers' distributed loading (expert parallel, tests/test_transformers_ep.py) imports it.
-  echo "setup: installing gradops[cpu,bench,dev] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
-  python -m pip install -q -e "$ROOT[cpu,bench,dev]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
+  # native: ninja, which torch's C++ extension builder needs for gradops.native (below).
+  echo "setup: installing gradops[cpu,bench,dev,native] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
+  python -m pip install -q -e "$ROOT[cpu,bench,dev,native]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
   echo "$want" > "$stamp"
 fi
 # No GRADOPS_CACHE_DIR here, on purpose: the compiled CPU kernels then go to gradops' default cache
@@ -34,3 +35,13 @@ fi
 # here reached only the processes these scripts start: an activated venv compiled everything a second time
 # elsewhere.) A GRADOPS_CACHE_DIR set by the caller is still honoured, by gradops itself; where the default cannot
 # be written, gradops compiles into a private temporary folder and says so once.
+
+# The native autograd nodes (src/gradops/native): gradops.nn's eager CPU training path without Python in the
+# backward. Built once per source / torch / Python into gradops' cache (~30-60 s with g++ on the CI VM), then only a
+# file check. Without a C++ compiler gradops runs its Python path (the same results, ~50 µs more per training step
+# at small sizes) and says so here; the tests then skip the native ones, which they require once it is built.
+if python -m gradops.native --quiet; then
+  export GRADOPS_REQUIRE_NATIVE=1
+else
+  echo "setup: gradops.native could not be built (above); gradops runs its Python autograd path" >&2
+fi

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import doctest
+import importlib
 import importlib.util
 import io
 import re
@@ -315,7 +316,16 @@ def _check(where: str, argv: list[str], whole: bool, extras: set[str]) -> str | 
         if not targets:
             problems.append("expected pip install TARGET")
         return f"{where}: {'; '.join(problems)}" if problems else None
-    if tool == "python":
+    if tool == "python" and args[:1] == ["-m"]:  # a module run as a script: its __main__'s main(argv)
+        try:
+            spec = importlib.util.find_spec(args[1])
+        except (ImportError, IndexError):
+            spec = None
+        if spec is None:
+            return f"{where}: no module {args[1:2]}"
+        name = f"{args[1]}.__main__" if spec.submodule_search_locations else args[1]
+        main, args = getattr(importlib.import_module(name), "main", None), args[2:]
+    elif tool == "python":
         script = ROOT / args[0]
         if not script.is_file():
             return f"{where}: no file {args[0]}"

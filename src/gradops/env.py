@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
           f"triton {_version('triton')}  numba {_version('numba')}")
     print(f"{backend.ENV}={os.environ.get(backend.ENV, 'auto')}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}  threads={torch.get_num_threads()}")
+    from . import native
+
+    print(f"native autograd nodes (gradops.nn LayerNorm, Hardswish on CPU): {native.status()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         print(f"\n{device} ({name})")

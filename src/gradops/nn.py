@@ -87,7 +87,7 @@ class LayerNorm(torch.nn.LayerNorm):
         beta = self.bias if self.bias is not None else x.new_zeros(self.normalized_shape)
         if nd == 1:  # the common case: no views (each would add an autograd node, ~15 µs of a small step)
             try:
-                return ops.layer_norm(x, gamma, beta, self.eps)[0]
+                return ops.layer_norm_output(x, gamma, beta, self.eps)
             except OpError as err:
                 raise _blame_input(err, "layer_norm", x, self.normalized_shape) from None
         error = _input_shape_error("layer_norm", x, self.normalized_shape)  # before the reshape, which could fit

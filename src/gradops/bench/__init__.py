@@ -111,6 +111,10 @@ def environment(device: torch.device) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
     }
+    if device.type == "cpu":
+        from gradops import native
+
+        env["native"] = native.status()  # whether gradops.nn's LayerNorm / Hardswish recorded C++ nodes
     if device.type == "cpu" and hasattr(os, "getloadavg"):
         env["loadavg_1m"] = round(os.getloadavg()[0], 2)  # a shared machine shows up here
     return env

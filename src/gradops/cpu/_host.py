@@ -141,3 +141,31 @@ def safe_entry(fn: Callable) -> Callable:
         with lock:
             return fn(*args, **kwargs)
     return call
+
+
+# ---------------------------------------------------------------- C entry points
+#: Every cfunc made by :func:`c_function`: its machine code lives as long as the object, and gradops.native's nodes
+#: hold only the address.
+_cfuncs: list = []
+
+
+def c_function(signature, body: Callable):
+    """``body`` compiled as a C function of ``signature`` (a numba cfunc, cached on disk) for gradops.native; its
+    ``.address`` stays valid for the life of the process. The thread pool is started first: a cached cfunc whose
+    callee runs parallel loops loads only once numba's parallel runtime exists (numba 0.68 otherwise aborts the
+    process: "LLVM ERROR: Symbol not found: allocate_sched")."""
+    from numba import cfunc
+
+    if not _layer_decided:
+        _decide_layer()
+    compiled = cfunc(signature, cache=True)(body)
+    _cfuncs.append(compiled)
+    return compiled
+
+
+def native_launch_ok() -> bool:
+    """Whether a kernel may be launched from a native node, outside :func:`safe_entry`: never in a forked child
+    whose parent ran GNU OpenMP, never under the workqueue layer (whose launches must be serialised by the lock)."""
+    if not _layer_decided:
+        _decide_layer()
+    return not _forked_omp_child and _launch_lock is None

@@ -9,7 +9,9 @@ function modes, functorch transforms and the legacy vmap of batched gradients, t
 tensors with a lazy negation or conjugation bit, and the profiler (so that traces still name ``gradops::<op>``).
 When none of these is active, :class:`DirectOp` runs the op body - the op's single dispatch point, which runs the
 op's call plan (:mod:`gradops.ops._plan`: validation and backend) - directly, or, when autograd records the call,
-through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op registers. Results
+on the op's native C++ autograd node where it has one and the plan allows (:mod:`gradops.native`: Hardswish on
+CPU), else through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op
+registers. Results
 are the same bits either way (tests/test_direct.py).
 Under torch.func, grad / vjp run the op inside a setup_context-style Function (torch.library's own autograd lacks
 one), and vmap runs the op's vmap rule: the op once per sample (tests/test_func.py).
@@ -178,6 +180,9 @@ class DirectOp:
         self.op = torch.library.custom_op(name, mutates_args=())(body)
         self.op.register_vmap(_sample_by_sample(self.op))
         self.function: type[torch.autograd.Function] | None = None
+        #: ``native(*args)``: the recorded call on a native autograd node (:mod:`gradops.native`), or None when it
+        #: cannot take one (then :attr:`function` runs). Set by the op's module.
+        self.native: Callable[..., Any] | None = None
         name = body.__name__.removesuffix("_body").lstrip("_")
 
         def no_derivative(ctx: Any, *grads: object) -> Any:
@@ -237,6 +242,10 @@ class DirectOp:
         if path == BODY:
             return self.body(*args)
         if path == FUNCTION and self.function is not None:
+            if self.native is not None:
+                result = self.native(*args)
+                if result is not None:
+                    return result
             return _apply(self.function, args)
         if path == FUNCTORCH:
             if check is not None:

@@ -35,11 +35,14 @@ class CallPlan(NamedTuple):
     :class:`~gradops.backend.Choice` for the tensors' device (``backend.fn`` runs the op on the 2-D views);
     ``run(shape, *args)``, the op on its own arguments, results in the op's shapes: the backend's shaped entry
     where it has one (the compiled CPU kernels take any contiguous shape by address: no view, reshape or detach
-    per tensor, each ~0.6-1.3 µs), else the op's adapter around ``backend.fn``."""
+    per tensor, each ~0.6-1.3 µs), else the op's adapter around ``backend.fn``; ``native``, what the op's native
+    autograd node needs for these arguments (its kernels' C addresses, see :mod:`gradops.native`), or None where
+    the call takes the Python path (no native node for the op, another backend, the extension not loaded)."""
 
     shape: Any
     backend: Choice
     run: Callable[..., Any]
+    native: Any = None
 
 
 #: Every planner, so that a forked child starts without plans: a backend decided in the parent may not run
@@ -63,11 +66,14 @@ class Planner:
     ``adapter(fn, shape, *args)`` runs a backend's 2-D function ``fn`` on the op's arguments (views in, results
     back in the op's shapes); None for an op whose body calls ``backend.fn`` itself. ``values``: the positions of
     the arguments whose float64 dtype means "compute in float64" (default: every tensor argument; embedding's
-    float64 indices are only indices)."""
+    float64 indices are only indices). ``native(choice, shape, *args)``: the plan's ``native`` entry, asked only
+    for the compiled CPU backend."""
 
     def __init__(self, op: str, check: Callable[..., Any], device_arg: int = 0,
-                 adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None) -> None:
+                 adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None,
+                 native: Callable[..., Any] | None = None) -> None:
         self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
+        self.native = native
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
         _PLANNERS.append(self)
 
@@ -77,7 +83,7 @@ class Planner:
         strict form of the same table and run the same backend decision; such a plan is not remembered (the out
         tensors are part of what is checked, and a CANN caller plans once per executor, not per step)."""
         if options:
-            return self._plan(self.check(*args, **options), args)[0]
+            return self._plan(self.check(*args, **options), args, native=False)[0]
         key = key_of(args)
         if key is not None:
             key = (environment_key(), key)
@@ -91,7 +97,7 @@ class Planner:
             self._plans[key] = entry
         return entry[0]
 
-    def _plan(self, shape: Any, args: tuple) -> tuple[CallPlan, str, object]:
+    def _plan(self, shape: Any, args: tuple, native: bool = True) -> tuple[CallPlan, str, object]:
         device = args[self.device_arg].device
         if self._float64(args):
             choice, token, module = wide_with_token(self.op, device)
@@ -101,7 +107,9 @@ class Planner:
             run = shaped(self.op, choice)
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
-        return CallPlan(shape, choice, run), token, module
+        entry = (self.native(choice, shape, *args) if native and self.native is not None and choice.name == "cpu"
+                 else None)
+        return CallPlan(shape, choice, run, entry), token, module
 
     def _float64(self, args: tuple) -> bool:
         picked = args if self.values is None else [args[i] for i in self.values]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import native, reference
 from ..contract import hardswish as contract
 from ..contract._memo import remembered
 from ._direct import DirectOp, own
@@ -13,11 +13,22 @@ from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
 
+
+def _native_entry(choice, shape, x: Tensor):
+    """The native Hardswish node and its kernels' addresses for x's dtype, or None (see :mod:`gradops.native`)."""
+    node = native.node("hardswish", _differentiable_backward)
+    if node is None:
+        return None
+    from ..cpu.hardswish import c_entries
+
+    return (node, *c_entries(x.dtype))
+
+
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
 # new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_hardswish = remembered(contract.check_hardswish)
 check_hardswish_backward = remembered(contract.check_hardswish_backward)
-plan_hardswish = Planner("hardswish", contract.check_hardswish)
+plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry)
 plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1)
 
 
@@ -71,6 +82,28 @@ def _backward(ctx, grad):
 
 
 _hardswish.register_autograd(_backward, setup_context=_setup)
+
+
+def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tensor]:
+    """The native node's backward where it does not run its kernel itself (``create_graph=True``, a forked child, a
+    gradient that is not plain: see autograd.cpp): :func:`_backward`'s op, which records a second derivative and
+    dispatches batched or lazily negated gradients."""
+    grad, x = inputs
+    return (_hardswish_backward(grad, x),)
+
+
+def _native(x: Tensor) -> Tensor | None:
+    """The recorded forward on the native node (same kernels, same bits, no Python in the backward), or None when
+    the call takes the Python Function: no node for this plan, or x not contiguous (the Python path keeps x's
+    layout for y)."""
+    entry = plan_hardswish(x).native
+    if entry is None or not x.is_contiguous():
+        return None
+    node, forward, backward = entry
+    return node(x, forward, backward)
+
+
+_hardswish.native = _native
 
 
 def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:

@@ -7,12 +7,12 @@ import math
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import native, reference
 from ..contract import layer_norm as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
-from ._direct import BODY, DirectOp, eager_path, fit, own
+from ._direct import BODY, FUNCTION, DirectOp, eager_path, fit, own
 from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
@@ -31,7 +31,20 @@ def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: fl
     return own(fit(y, x.shape), fit(mean, stat), fit(var, stat))
 
 
-plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d)
+def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon: float):
+    """The native LayerNorm node and its kernels' addresses for these dtypes, or None (an empty x; see
+    :mod:`gradops.native`)."""
+    if not plan.rows or not plan.cols:
+        return None
+    node = native.node("layer_norm", _differentiable_backward)
+    if node is None:
+        return None
+    from ..cpu.layer_norm import c_entries
+
+    return (node, *c_entries(x.dtype, gamma.dtype, beta.dtype))
+
+
+plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry)
 
 
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,9 +172,15 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, dmean, dvar):
     x, gamma, mean, var = ctx.saved_tensors
+    return _vjp(x, gamma, mean, var, ctx.epsilon, ctx.beta_dtype, dy, dmean, dvar)
+
+
+def _vjp(x: Tensor, gamma: Tensor, mean: Tensor, var: Tensor, epsilon: float, beta_dtype: torch.dtype,
+         dy: Tensor | None, dmean: Tensor | None, dvar: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The gradients of :func:`layer_norm` for x, gamma, beta and epsilon, from its saved tensors."""
     if dy is None and dmean is None and dvar is None:
         return None, None, None, None
-    rstd = torch.rsqrt(var + ctx.epsilon)
+    rstd = torch.rsqrt(var + epsilon)
     args = (dy if dy is not None else torch.zeros_like(x), x, mean, rstd, gamma)
     # rstd = (var + eps)^-0.5 from this op's own forward is never negative: no data check (on CUDA, no flag to
     # carry) when the call runs eagerly; through the op (tracing, modes) the op checks as any direct call does.
@@ -179,10 +198,38 @@ def _backward(ctx, dy, dmean, dvar):
         if dvar is not None:
             extra = extra + dvar.unsqueeze(-1) * 2.0 * (x.to(acc) - mean.unsqueeze(-1)) / h
         dx = (dx.to(acc) + extra).to(x.dtype)
-    return dx, dgamma.to(gamma.dtype), dbeta.to(ctx.beta_dtype), None
+    return dx, dgamma.to(gamma.dtype), dbeta.to(beta_dtype), None
 
 
 _layer_norm.register_autograd(_backward, setup_context=_setup)
+
+
+def _differentiable_backward(inputs: list[Tensor], epsilon: float) -> tuple[Tensor | None, ...]:
+    """The native node's backward where it does not run its kernel itself (see autograd.cpp), :func:`_vjp` as the
+    Python path runs it. Under ``create_graph=True`` it is recorded for a second derivative: there the Python
+    path's statistics are outputs of the recorded forward, so the second derivative flows through their dependence
+    on x; the node keeps them as plain tensors, so they are computed again by the recorded forward (the same
+    kernel: the same bits as the saved ones; beta does not enter them). ``beta_like``: an empty tensor of beta's
+    dtype."""
+    dy, x, gamma, mean, var, beta_like = inputs
+    if torch.is_grad_enabled():
+        _, mean, var = layer_norm(x, gamma, gamma.new_zeros(gamma.shape, dtype=beta_like.dtype), epsilon)
+    else:  # a forked child, a gradient that is not plain (legacy vmap, a lazy negation): the saved statistics
+        stat = x.shape[:-1]
+        mean, var = mean.view(stat), var.view(stat)
+    return _vjp(x, gamma, mean, var, epsilon, beta_like.dtype, dy, None, None)[:3]
+
+
+def layer_norm_output(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> Tensor:
+    """``layer_norm(x, gamma, beta, epsilon)[0]``, the output torch.nn.LayerNorm returns. A recorded call on CPU runs
+    on the native LayerNorm node when it can (:mod:`gradops.native`: the same kernels and bits, the statistics kept
+    inside the node, no Python in the backward); everything else is :func:`layer_norm`'s own path."""
+    if eager_path(x, gamma, beta, epsilon) == FUNCTION:
+        entry = plan_layer_norm(x, gamma, beta, epsilon).native
+        if entry is not None and x.is_contiguous() and gamma.is_contiguous() and beta.is_contiguous():
+            node, forward, backward = entry
+            return node(x, gamma, beta, float(epsilon), forward, backward)
+    return layer_norm(x, gamma, beta, epsilon)[0]
 
 
 def _into(op: str, plan, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):

@@ -108,7 +108,8 @@ _rms_norm.register_autograd(_backward, setup_context=_setup)
 
 
 def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tensor, Tensor]:
-    (rows, cols, rstd_shape), backend, _ = plan_rms_norm(x, gamma, epsilon)
+    plan = plan_rms_norm(x, gamma, epsilon)
+    (rows, cols, rstd_shape), backend = plan.shape, plan.backend
     refuse_autograd("rms_norm", x, gamma)
     outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, accumulator(x.dtype))], x.device, x=x,
                      gamma=gamma)
@@ -116,7 +117,8 @@ def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tenso
 
 
 def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
-    (rows, cols, _), backend, _ = plan_rms_norm_grad(dy, x, rstd, gamma)
+    plan = plan_rms_norm_grad(dy, x, rstd, gamma)
+    (rows, cols, _), backend = plan.shape, plan.backend
     outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, accumulator(dy.dtype))], x.device,
                      dy=dy, x=x, rstd=rstd, gamma=gamma)
     args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))

@@ -1,0 +1,149 @@
+"""gradops' native autograd nodes (``autograd.cpp``): the eager training path of :mod:`gradops.nn` on CPU without
+Python in the backward.
+
+A ``torch.autograd.Function`` costs a Python call per forward and per backward; around ATen's own kernels it is
+already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2-core CI VM, 2026-11-23). These nodes are C++
+(torch's own custom-function machinery) and call the same compiled CPU kernels as the Python path by address, so
+results are the same bits; see ``autograd.cpp`` for what stays in Python (validation, the double backward).
+
+The extension is built once per (source, torch, Python) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``, else
+``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on the CI VM).
+It is never built implicitly: without it, or with ``GRADOPS_NATIVE=0``, every call takes the Python path (the same
+results, ~50-60 µs more per training step at small sizes). :func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("autograd.cpp")
+ENV = "GRADOPS_NATIVE"
+
+_module: ModuleType | None = None
+_why: str = "not loaded yet"
+_tried = False
+_switched_off = False
+#: op -> the extension's constant naming it to ``set_differentiable``.
+_OPS = {"hardswish": "HARDSWISH", "layer_norm": "LAYER_NORM"}
+_registered: set[str] = set()
+
+
+def _tag() -> str:
+    """What the built library depends on: the source, torch's version (its C++ ABI) and the Python ABI."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}".encode())
+    return digest.hexdigest()[:16]
+
+
+def name() -> str:
+    """The extension's module name (one per tag, so that two builds never shadow each other)."""
+    return f"gradops_native_{_tag()}"
+
+
+def build_dir() -> Path:
+    """Where the extension is built and loaded from."""
+    base = os.environ.get("GRADOPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gradops")
+    return Path(base) / "native" / _tag()
+
+
+def _library() -> Path:
+    return build_dir() / f"{name()}.so"  # torch.utils.cpp_extension's name for it, whatever the Python
+
+
+def enabled() -> bool:
+    """Whether the native nodes may be used: ``GRADOPS_NATIVE`` is not ``0`` (read at first use) and
+    :func:`set_enabled` did not turn them off."""
+    return not _switched_off and os.environ.get(ENV, "1").strip() != "0"
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn the native nodes on or off for this process (the next call of every op plans afresh)."""
+    global _switched_off
+    _switched_off = not flag
+    reset()
+    from ..ops._plan import forget_all
+
+    forget_all()
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension (torch.utils.cpp_extension: needs a C++ compiler and ninja) unless it is built
+    already; returns the library's path. Raises what the build raises."""
+    library = _library()
+    if library.exists():
+        return library
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # -O2: the nodes only allocate and call the kernels; no torch/extension.h (the whole C++ API), which triples
+    # the build time for nothing used here.
+    load(name(), [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"], verbose=verbose)
+    return library
+
+
+def module() -> ModuleType | None:
+    """The loaded extension, or None (see :func:`status`). Loads it on first call when it is built."""
+    global _module, _why, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if not enabled():
+        _why = "set_enabled(False)" if _switched_off else f"{ENV}=0"
+        return None
+    library = _library()
+    if not library.exists():
+        _why = f"not built ({library} is missing): run python -m gradops.native"
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name(), library)
+        assert spec is not None and spec.loader is not None
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    except Exception as err:  # a library built against another torch, a broken file: the Python path runs
+        _why = f"loading {library} failed: {type(err).__name__}: {err}"
+        return None
+    _module, _why = loaded, "loaded"
+    return _module
+
+
+def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
+    """The extension's function for ``op`` (``hardswish``, ``layer_norm``), or None when the native nodes cannot run
+    here: not loaded, or numba's thread pool must not be launched outside gradops' guards (a forked child of a GNU
+    OpenMP parent, the workqueue layer: see :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs,
+    extra)`` is the op's Python backward for ``create_graph=True``, registered with the extension on first use."""
+    ext = module()
+    if ext is None:
+        return None
+    from ..cpu._host import native_launch_ok
+
+    if not native_launch_ok():
+        return None
+    if op not in _registered:
+        ext.set_differentiable(getattr(ext, _OPS[op]), differentiable)
+        _registered.add(op)
+    return getattr(ext, op)
+
+
+def status() -> str:
+    """``loaded`` or why the native nodes are not used."""
+    module()
+    return _why
+
+
+def reset() -> None:
+    """Forget the load decision (after changing ``GRADOPS_NATIVE``; plans made before keep their nodes until
+    :func:`gradops.ops._plan.forget_all`)."""
+    global _module, _why, _tried
+    _module, _why, _tried = None, "not loaded yet", False
+    _registered.clear()

@@ -1,0 +1,256 @@
+"""gradops.native: the C++ autograd nodes of gradops.nn's eager training path on CPU.
+
+The nodes call the same compiled kernels as the Python path, so every result here is compared bit for bit with
+the Python Function path (``gradops.native.set_enabled(False)``) on the same inputs; the float64 references of
+the modules' formulas are tests/test_nn.py's business and hold for both paths through it. Skipped where the
+extension is not built, except under ``GRADOPS_REQUIRE_NATIVE=1`` (scripts/test.sh sets it when setup built the
+extension), where a missing extension fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gradops
+import gradops.native as native
+import gradops.nn as gnn
+
+pytestmark = pytest.mark.skipif(
+    native.status() != "loaded" and os.environ.get("GRADOPS_REQUIRE_NATIVE") != "1",
+    reason=f"gradops.native: {native.status()}")
+
+
+def test_required_extension_is_loaded():
+    """Where setup built the extension, the tests run on it (a skip would hide a broken build or load)."""
+    assert native.status() == "loaded"
+
+
+@pytest.fixture
+def python_path():
+    """Runs the body with the native nodes off, then turns them back on."""
+    native.set_enabled(False)
+    try:
+        yield
+    finally:
+        native.set_enabled(True)
+
+
+def _step(module: torch.nn.Module, x: torch.Tensor, upstream, create_graph: bool = False):
+    """Forward, backward of ``upstream(y)``; returns the node's name, y and every gradient."""
+    x = x.detach().requires_grad_(x.requires_grad)
+    for p in module.parameters():
+        p.grad = None
+    y = module(x)
+    upstream(y).backward(create_graph=create_graph)
+    grads = [t.grad for t in (x, *module.parameters()) if t.requires_grad]
+    return y.grad_fn.name(), y, grads
+
+
+def _same(a, b) -> None:
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride()
+        assert torch.equal(u, v)
+
+
+def _both(module, x, upstream=lambda y: (y * 1.5).sum(), create_graph=False):
+    """The module's results on the native node and on the Python path: (native name, python name, native results,
+    python results)."""
+    name, y, grads = _step(module, x, upstream, create_graph)
+    native.set_enabled(False)
+    try:
+        name_py, y_py, grads_py = _step(module, x, upstream, create_graph)
+    finally:
+        native.set_enabled(True)
+    return name, name_py, [y, *grads], [y_py, *grads_py]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# 8 x 8: the per-call end; (3, 5, 64): a 3-D input; 512 x 256 = 131072 items, above the kernels' serial/parallel
+# threshold (PARALLEL_MIN = 32768), so the parallel loops run; 7 x 33: odd sizes, no vector-width multiple.
+SHAPES = [(8, 8), (3, 5, 64), (512, 256), (7, 33)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_hardswish_node_matches_python_path(shape, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 4).to(dtype).requires_grad_()
+    x.data[..., 0] = 3.0  # CANN's closed interval at +-3 (d = 1.5, -0.5), on both paths
+    x.data[..., -1] = -3.0
+    w = torch.randn(shape).to(dtype)
+    name, name_py, ours, python = _both(gnn.Hardswish(), x, lambda y: (y * w).sum())
+    assert name == "torch::autograd::CppNode<gradops_native::HardswishNode>"
+    assert "CppNode" not in name_py
+    _same(ours, python)
+    assert ours[1][..., 0].eq((w[..., 0].float() * 1.5).to(dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("affine", ["affine", "no-bias", "none", "fp32-params"])
+def test_layer_norm_node_matches_python_path(shape, dtype, affine):
+    torch.manual_seed(0)
+    cols = shape[-1]
+    module = gnn.LayerNorm(cols, elementwise_affine=affine != "none", bias=affine != "no-bias")
+    if affine != "fp32-params":  # fp32 weight beside a half input: the seed's mixed dtype row
+        module = module.to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = torch.randn(shape).to(dtype).requires_grad_()
+    w = torch.randn(shape).to(dtype)
+    name, name_py, ours, python = _both(module, x, lambda y: (y * w).sum())
+    assert name == "torch::autograd::CppNode<gradops_native::LayerNormNode>"
+    assert "CppNode" not in name_py
+    _same(ours, python)
+
+
+@pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(64)], ids=["Hardswish", "LayerNorm"])
+def test_strided_upstream_gradient(make):
+    """``y.sum()`` hands the node an expanded gradient (stride 0); ``y[:, ::2]`` a zero-filled, sliced one."""
+    x = torch.randn(16, 64)
+    for upstream in (lambda y: y.sum(), lambda y: y[:, ::2].sum() * 2, lambda y: y.t().contiguous()[3].sum()):
+        _, _, ours, python = _both(make(), x.requires_grad_(), upstream)
+        _same(ours, python)
+
+
+def test_strided_input_takes_the_python_path():
+    """A non-contiguous x keeps the Python Function (which lays y out like x); results as before."""
+    x = torch.randn(64, 32).t().requires_grad_()
+    module = gnn.Hardswish()
+    assert "CppNode" not in module(x).grad_fn.name()
+    assert "CppNode" not in gnn.LayerNorm(64)(x).grad_fn.name()
+
+
+def test_double_backward_through_the_node():
+    """create_graph=True: the node's backward runs the Python formula, recorded. The first derivative (and
+    Hardswish's second) is the Python path's bit for bit. LayerNorm's second derivative with respect to x sums the
+    same two contributions (through y, through the statistics) in another order - the Python path's statistics are
+    outputs of the one node that also made y, the native node's are recomputed by a second one - so it agrees to
+    that rounding: at most 2 float32 ulps of the largest entry."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(6, 16)  # (y * y).sum() of a LayerNorm is constant in x: its gradient would be rounding noise
+    for module in (gnn.Hardswish(), gnn.LayerNorm(16)):
+        results = []
+        for flag in (True, False):
+            native.set_enabled(flag)
+            for t in (x, *module.parameters()):
+                t.grad = None
+            y = module(x)
+            assert ("CppNode" in y.grad_fn.name()) == flag
+            (gx,) = torch.autograd.grad((y * y * w).sum(), x, create_graph=True)
+            (gx * gx).sum().backward()
+            results.append([gx.detach(), x.grad, *(p.grad for p in module.parameters())])
+        native.set_enabled(True)
+        ours, python = results
+        if isinstance(module, gnn.LayerNorm):
+            bound = 2 * torch.finfo(torch.float32).eps * python[1].abs().max()
+            assert (ours[1] - python[1]).abs().max() <= bound
+            ours, python = ours[:1] + ours[2:], python[:1] + python[2:]
+        _same(ours, python)
+
+
+def test_gradients_that_are_not_plain_take_the_op():
+    """Batched cotangents (``is_grads_batched``: legacy vmap tensors without storage) and a lazily negated
+    gradient reach the node's backward; the Python formula's op dispatches them (the kernels would read raw
+    memory)."""
+    x0 = torch.randn(4, 8)
+    cotangents = torch.randn(3, 4, 8)
+    negated = torch.randn(4, 8, dtype=torch.complex64).conj().imag
+    assert negated.is_neg()
+    for module in (gnn.Hardswish(), gnn.LayerNorm(8)):
+        x = x0.clone().requires_grad_()
+        y = module(x)
+        assert "CppNode" in y.grad_fn.name()
+        (batched,) = torch.autograd.grad(y, x, cotangents, retain_graph=True, is_grads_batched=True)
+        looped = torch.stack([torch.autograd.grad(y, x, c, retain_graph=True)[0] for c in cotangents])
+        assert torch.equal(batched, looped)
+        (lazy,) = torch.autograd.grad(y, x, negated, retain_graph=True)
+        assert torch.equal(lazy, torch.autograd.grad(y, x, negated.resolve_neg())[0])
+
+
+def test_no_node_without_recording():
+    """Under no_grad, or for an x that needs no gradient, nothing is recorded: the body runs."""
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert gnn.Hardswish()(x.requires_grad_()).grad_fn is None
+    assert gnn.LayerNorm(8, elementwise_affine=False)(x.detach()).grad_fn is None
+
+
+def test_saved_tensor_hooks_and_version_check():
+    """The node saves through torch's SavedVariable: saved-tensor hooks see x, and an in-place change of x after
+    the forward is refused at backward, as for torch's own nodes."""
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = gnn.Hardswish()(x * 1)
+    assert (4, 8) in packed
+    y.sum().backward()
+    z = x.detach().clone().requires_grad_()
+    inner = z * 1
+    y = gnn.Hardswish()(inner)
+    inner.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_invalid_input_still_raises_op_error():
+    """Validation runs before the node: an unsupported dtype is OpError 161002, as on the Python path."""
+    x = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(gradops.OpError) as err:
+        gradops.hardswish(x)
+    assert err.value.status == 161002
+    with pytest.raises(gradops.OpError):
+        gnn.LayerNorm(8)(torch.randn(4, 7, requires_grad=True))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_backward_in_a_forked_child():
+    """A graph recorded before fork() and run backward in the child: the child's backward takes the Python path,
+    whose guards know whether the kernels' thread pool survived the fork (after a parallel kernel under GNU
+    OpenMP it did not: numba would terminate the child). 512 x 256 runs the parallel loops in the parent first."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, requires_grad=True)
+    modules = (gnn.Hardswish(), gnn.LayerNorm(256))
+    ys = [m(x) for m in modules]
+    assert all("CppNode" in y.grad_fn.name() for y in ys)
+    expected = torch.autograd.grad(sum((y * 1.5).sum() for y in ys), x, retain_graph=True)[0]
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork either (DataLoader does this)
+            got = torch.autograd.grad(sum((y * 1.5).sum() for y in ys), x)[0]
+            code = 0 if torch.allclose(got, expected, rtol=1e-5, atol=1e-5) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_switch_and_environment(python_path):
+    assert native.status() == "set_enabled(False)"
+    x = torch.randn(4, 8, requires_grad=True)
+    assert "CppNode" not in gnn.Hardswish()(x).grad_fn.name()
+    code = "import gradops.native as n; print(n.status())"
+    env = {**os.environ, "GRADOPS_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "GRADOPS_NATIVE=0"
+
+
+def test_build_command_is_idempotent():
+    """``python -m gradops.native`` with the extension built: exit 0, the library's path, nothing compiled."""
+    out = subprocess.run([sys.executable, "-m", "gradops.native"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(".so")
