@@ -239,6 +239,54 @@ def test_backward_in_a_forked_child():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_one_call_eager_test_agrees_with_eager_path():
+    """The C++ ``recordable`` test says True only where gradops.ops._direct.eager_path says FUNCTION (then the
+    node is recorded), in every state that path knows: modes, transforms, the profiler, tracing, subclasses, meta
+    and lazily negated tensors, no_grad."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradops.ops import _direct
+
+    ext = native.module()
+    x, p = torch.randn(4, 8, requires_grad=True), torch.nn.Parameter(torch.randn(8))
+    seen = []
+
+    def agree(*args):
+        fast = _direct.recorded(ext.recordable, *args)
+        path = _direct.eager_path(*args)
+        assert not fast or path == _direct.FUNCTION, (fast, path)
+        seen.append((fast, path))
+        return fast
+
+    assert agree(x, p) and agree(x.detach(), p) and not agree(x.detach(), p.detach())
+    with torch.no_grad():
+        assert not agree(x, p)
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    for mode in (Dispatch(), Function(), torch.profiler.profile(), torch._subclasses.FakeTensorMode()):
+        with mode:
+            assert not agree(x, p), mode
+    assert not agree(x.as_subclass(Sub).requires_grad_(), p)
+    assert not agree(torch.randn(4, 8, device="meta", requires_grad=True))
+    neg = torch.randn(4, 8, dtype=torch.complex64, requires_grad=True).conj().imag
+    assert not agree(neg)
+    torch.func.grad(lambda t: (agree(t) and t.sum()) or t.sum())(torch.randn(3))
+    torch.func.vmap(lambda t: (agree(t) and t) or t)(torch.randn(2, 3, requires_grad=True))
+    torch.jit.trace(lambda t: (agree(t) and t * 2) or t * 2, (torch.randn(3, requires_grad=True),), check_trace=False)
+    assert [fast for fast, _ in seen].count(True) == 2  # only the two plain recorded calls
+
+
 def test_switch_and_environment(python_path):
     assert native.status() == "set_enabled(False)"
     x = torch.randn(4, 8, requires_grad=True)

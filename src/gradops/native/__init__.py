@@ -113,6 +113,7 @@ def module() -> ModuleType | None:
     except Exception as err:  # a library built against another torch, a broken file: the Python path runs
         _why = f"loading {library} failed: {type(err).__name__}: {err}"
         return None
+    loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
     _module, _why = loaded, "loaded"
     return _module
 

@@ -111,6 +111,14 @@ def eager_path(*args: object) -> str:
     return path
 
 
+def recorded(recordable: Callable[..., bool], *args: object) -> bool:
+    """Whether ``eager_path(*args)`` is :data:`FUNCTION`, asked of gradops.native's one-call C++ test
+    ``recordable`` (see autograd.cpp) after the answers only Python has (the switch, torch.compiler.is_compiling:
+    dynamo answers it while tracing). True only where :func:`eager_path` says FUNCTION; False may also mean "ask
+    eager_path" (the caller then takes its usual path, which does)."""
+    return not _missing and _enabled and not _is_compiling() and recordable(*args)
+
+
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``t.reshape(shape)``, or ``t`` itself when it has that shape already: a reshape is a new view (~1.3 µs on
     the CI VM) where the comparison costs 0.3, and a 2-D input or a 1-D statistic usually has its shape."""
@@ -180,8 +188,8 @@ class DirectOp:
         self.op = torch.library.custom_op(name, mutates_args=())(body)
         self.op.register_vmap(_sample_by_sample(self.op))
         self.function: type[torch.autograd.Function] | None = None
-        #: ``native(*args)``: the recorded call on a native autograd node (:mod:`gradops.native`), or None when it
-        #: cannot take one (then :attr:`function` runs). Set by the op's module.
+        #: ``native(*args)``: the call on a native autograd node (:mod:`gradops.native`) when it is an eager
+        #: recorded call the node can take (tested first, by :func:`recorded`), else None. Set by the op's module.
         self.native: Callable[..., Any] | None = None
         name = body.__name__.removesuffix("_body").lstrip("_")
 
@@ -238,14 +246,14 @@ class DirectOp:
         ``check``: the op's validation, run before the custom op (the body runs it itself): the op's schema would
         answer a None or a mistyped scalar with a bare RuntimeError before the body could raise OpError.
         """
+        if self.native is not None:
+            result = self.native(*args)
+            if result is not None:
+                return result
         path = eager_path(*args)
         if path == BODY:
             return self.body(*args)
         if path == FUNCTION and self.function is not None:
-            if self.native is not None:
-                result = self.native(*args)
-                if result is not None:
-                    return result
             return _apply(self.function, args)
         if path == FUNCTORCH:
             if check is not None:

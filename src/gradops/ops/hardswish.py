@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import native, reference
 from ..contract import hardswish as contract
 from ..contract._memo import remembered
-from ._direct import DirectOp, own
+from ._direct import DirectOp, own, recorded
 from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
@@ -94,8 +94,11 @@ def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tenso
 
 def _native(x: Tensor) -> Tensor | None:
     """The recorded forward on the native node (same kernels, same bits, no Python in the backward), or None when
-    the call takes the Python Function: no node for this plan, or x not contiguous (the Python path keeps x's
-    layout for y)."""
+    the call takes another path: not an eager recorded call on a plain tensor, no node for this plan, or x not
+    contiguous (the Python path keeps x's layout for y)."""
+    ext = native.module()
+    if ext is None or not recorded(ext.recordable, x):
+        return None
     entry = plan_hardswish(x).native
     if entry is None or not x.is_contiguous():
         return None
