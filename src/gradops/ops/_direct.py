@@ -116,7 +116,8 @@ def recorded(recordable: Callable[..., bool], *args: object) -> bool:
     ``recordable`` (see autograd.cpp) after the answers only Python has (the switch, torch.compiler.is_compiling:
     dynamo answers it while tracing). True only where :func:`eager_path` says FUNCTION; False may also mean "ask
     eager_path" (the caller then takes its usual path, which does)."""
-    return not _missing and _enabled and not _is_compiling() and recordable(*args)
+    # Grad mode first: a call under no_grad (inference, the per-call benchmark) pays one C call here, not three.
+    return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling() and recordable(*args)
 
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
