@@ -287,6 +287,42 @@ def test_one_call_eager_test_agrees_with_eager_path():
     assert [fast for fast, _ in seen].count(True) == 2  # only the two plain recorded calls
 
 
+def test_remembered_plans_follow_the_environment(monkeypatch):
+    """The extension's copy of a plan (a repeated call is one C++ call) answers only for the metadata and
+    environment it was made with: a second call reuses it, GRADOPS_BACKEND=torch sends the same call to the
+    reference's Python Function, a new shape or eps makes a new plan, a refused eps is still refused."""
+    x = torch.randn(4, 8, requires_grad=True)
+    layer, act = gnn.LayerNorm(8), gnn.Hardswish()
+    for _ in range(2):
+        assert "CppNode" in layer(x).grad_fn.name() and "CppNode" in act(x).grad_fn.name()
+    first = layer(x)
+    monkeypatch.setenv("GRADOPS_BACKEND", "torch")
+    assert "CppNode" not in layer(x).grad_fn.name() and "CppNode" not in act(x).grad_fn.name()
+    assert torch.allclose(layer(x), first, atol=1e-6)
+    monkeypatch.delenv("GRADOPS_BACKEND")
+    assert torch.equal(layer(x), first)
+    y = gnn.LayerNorm(8, eps=1e-3)(x)
+    assert "CppNode" in y.grad_fn.name() and not torch.equal(y, first)
+    assert "CppNode" in gnn.LayerNorm(8)(torch.randn(2, 3, 8, requires_grad=True)).grad_fn.name()
+    bad = gnn.LayerNorm(8)
+    bad.eps = "tiny"
+    with pytest.raises(gradops.OpError):
+        bad(x)
+
+
+def test_fullgraph_compile_never_sees_the_extension():
+    """Under torch.compile(fullgraph=True) the modules trace the custom ops (dynamo answers is_compiling before any
+    call into the extension), in training as in inference; the eager call after it still records the node."""
+    x = torch.randn(4, 8, requires_grad=True)
+    for module in (gnn.Hardswish(), gnn.LayerNorm(8)):
+        compiled = torch.compile(module, fullgraph=True, backend="eager")
+        y = compiled(x)
+        y.sum().backward()
+        assert "CppNode" not in y.grad_fn.name()
+        assert "CppNode" in module(x).grad_fn.name()
+        torch._dynamo.reset()
+
+
 def test_switch_and_environment(python_path):
     assert native.status() == "set_enabled(False)"
     x = torch.randn(4, 8, requires_grad=True)

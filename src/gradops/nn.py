@@ -22,6 +22,8 @@ The MoE pair :class:`MoeTokenPermute` / :class:`MoeTokenUnpermute` uses CANN's i
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,12 +81,9 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        nd = len(self.normalized_shape)
-        n = 1
-        for s in self.normalized_shape:
-            n *= s
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
         beta = self.bias if self.bias is not None else x.new_zeros(self.normalized_shape)
+        nd = len(self.normalized_shape)
         if nd == 1:  # the common case: no views (each would add an autograd node, ~15 µs of a small step)
             try:
                 return ops.layer_norm_output(x, gamma, beta, self.eps)
@@ -93,6 +92,7 @@ class LayerNorm(torch.nn.LayerNorm):
         error = _input_shape_error("layer_norm", x, self.normalized_shape)  # before the reshape, which could fit
         if error is not None:
             raise error
+        n = math.prod(self.normalized_shape)
         flat = x.reshape(*x.shape[: x.dim() - nd], n)
         return ops.layer_norm(flat, gamma.reshape(n), beta.reshape(n), self.eps)[0].reshape(x.shape)
 

@@ -136,6 +136,12 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
     return getattr(ext, op)
 
 
+def forget_plans() -> None:
+    """Drop the plans the extension remembers (see ``remember`` in autograd.cpp); with gradops' own plans."""
+    if _module is not None:
+        _module.forget()
+
+
 def status() -> str:
     """``loaded`` or why the native nodes are not used."""
     module()
@@ -146,5 +152,6 @@ def reset() -> None:
     """Forget the load decision (after changing ``GRADOPS_NATIVE``; plans made before keep their nodes until
     :func:`gradops.ops._plan.forget_all`)."""
     global _module, _why, _tried
+    forget_plans()
     _module, _why, _tried = None, "not loaded yet", False
     _registered.clear()

@@ -28,7 +28,11 @@
 
 #include <pthread.h>
 
+#include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 namespace py = pybind11;
 using at::Tensor;
@@ -177,7 +181,8 @@ PyTypeObject* plain_types[2] = {nullptr, nullptr};
 // (torch.compiler.is_compiling, which dynamo answers while it traces, and the direct path's switch). One C++ call
 // where the Python test makes eight hook calls and four per tensor (~1.4 µs warm, ~8 µs inside a training step on
 // the CI VM, 2026-11-24). False sends the caller to the Python test, which gives the full answer.
-bool recordable(py::args args) {
+template <typename Handles>
+bool recordable_handles(const Handles& args) {
   if (!at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set(/*skip_infra_modes=*/false) ||
       at::impl::torch_function_mode_enabled() || functorch_active() ||
       torch::profiler::impl::profilerEnabled() || torch::jit::tracer::isTracing()) {
@@ -195,6 +200,88 @@ bool recordable(py::args args) {
     }
   }
   return grad;
+}
+
+bool recordable(py::args args) { return recordable_handles(args); }
+
+// ---- remembered plans: the Python call plan's answer for the native node, per argument metadata
+//
+// After gradops.ops validated a call and found a native node for it (the call plan), it hands the node's kernels
+// here with the arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
+// small training step on the CI VM, 2026-11-24). The key is what the plan depends on: each tensor's dtype and
+// sizes (all contiguous CPU tensors, checked per call), the scalar, and the two environment variables the
+// backend decision reads. gradops forgets them with its own plans (gradops.ops._plan.forget_all: a fork, the
+// native switch), and a child of fork() never uses them.
+struct Plan {
+  std::vector<int64_t> key;
+  double scalar;
+  std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered ("\x01": unset)
+  int64_t fwd, bwd;
+};
+std::vector<Plan> plans[kOps];
+constexpr size_t kPlanLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
+
+const char* env_or_unset(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "\x01";
+}
+
+// Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor).
+bool add_key(std::vector<int64_t>& key, const Tensor& t) {
+  if (!t.is_contiguous() || !t.device().is_cpu() || t.layout() != at::kStrided) return false;
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.dim());
+  for (int64_t size : t.sizes()) key.push_back(size);
+  return true;
+}
+
+const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
+  const char* backend = env_or_unset("GRADOPS_BACKEND");
+  const char* interpret = env_or_unset("TRITON_INTERPRET");
+  for (const Plan& plan : plans[op]) {
+    if (plan.key == key && plan.scalar == scalar && plan.backend == backend && plan.interpret == interpret) {
+      return &plan;
+    }
+  }
+  return nullptr;
+}
+
+void remember(int64_t op, std::vector<Tensor> tensors, double scalar, int64_t fwd, int64_t bwd) {
+  TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
+  Plan plan{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET"), fwd, bwd};
+  for (const Tensor& t : tensors) {
+    if (!add_key(plan.key, t)) return;
+  }
+  if (find_plan(static_cast<Op>(op), plan.key, scalar) != nullptr) return;
+  if (plans[op].size() >= kPlanLimit) plans[op].clear();
+  plans[op].push_back(std::move(plan));
+}
+
+void forget() {
+  for (auto& list : plans) list.clear();
+}
+
+// The recorded call on the node from a remembered plan, or None (then gradops' Python path decides).
+py::object hardswish_planned(py::handle x) {
+  if (forked || !recordable_handles(std::array<py::handle, 1>{x})) return py::none();
+  const Tensor& t = THPVariable_Unpack(x.ptr());
+  std::vector<int64_t> key;
+  const Plan* plan = add_key(key, t) ? find_plan(kHardswish, key, 0.0) : nullptr;
+  if (plan == nullptr) return py::none();
+  return py::cast(gradops_native::HardswishNode::apply(t, plan->fwd, plan->bwd));
+}
+
+py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, double eps) {
+  if (forked || !recordable_handles(std::array<py::handle, 3>{x, gamma, beta})) return py::none();
+  if (!THPVariable_Check(gamma.ptr()) || !THPVariable_Check(beta.ptr())) return py::none();
+  const Tensor& tx = THPVariable_Unpack(x.ptr());
+  const Tensor& tg = THPVariable_Unpack(gamma.ptr());
+  const Tensor& tb = THPVariable_Unpack(beta.ptr());
+  std::vector<int64_t> key;
+  const Plan* plan =
+      add_key(key, tx) && add_key(key, tg) && add_key(key, tb) ? find_plan(kLayerNorm, key, eps) : nullptr;
+  if (plan == nullptr) return py::none();
+  return py::cast(gradops_native::LayerNormNode::apply(tx, tg, tb, eps, plan->fwd, plan->bwd));
 }
 
 void set_plain_types(py::handle tensor, py::handle parameter) {
@@ -225,4 +312,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_differentiable", &set_differentiable, "the Python backward of op for create_graph=True");
   m.def("recordable", &recordable, "whether a call on these arguments is eager, recorded, on plain tensors");
   m.def("set_plain_types", &set_plain_types, "torch.Tensor and torch.nn.Parameter (kept alive by torch)");
+  m.def("remember", &remember, "the native node's kernels for calls with these tensors' metadata and scalar");
+  m.def("forget", &forget, "drop every remembered plan");
+  m.def("hardswish_planned", &hardswish_planned, "the recorded Hardswish on a remembered plan, or None");
+  m.def("layer_norm_planned", &layer_norm_planned, "the recorded LayerNorm y on a remembered plan, or None");
 }

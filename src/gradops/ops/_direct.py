@@ -111,13 +111,18 @@ def eager_path(*args: object) -> str:
     return path
 
 
+def python_allows_native() -> bool:
+    """The part of :func:`recorded` only Python can answer: grad mode on, the direct path on, not tracing under
+    torch.compile (dynamo answers ``is_compiling`` while it traces, and must never see the extension's calls)."""
+    return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling()
+
+
 def recorded(recordable: Callable[..., bool], *args: object) -> bool:
     """Whether ``eager_path(*args)`` is :data:`FUNCTION`, asked of gradops.native's one-call C++ test
     ``recordable`` (see autograd.cpp) after the answers only Python has (the switch, torch.compiler.is_compiling:
     dynamo answers it while tracing). True only where :func:`eager_path` says FUNCTION; False may also mean "ask
     eager_path" (the caller then takes its usual path, which does)."""
-    # Grad mode first: a call under no_grad (inference, the per-call benchmark) pays one C call here, not three.
-    return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling() and recordable(*args)
+    return python_allows_native() and recordable(*args)
 
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:

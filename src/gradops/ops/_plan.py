@@ -52,9 +52,13 @@ _PLANNERS: list[Planner] = []
 
 
 def forget_all() -> None:
-    """Drop the remembered plans of every op (after a fork; with :func:`gradops.backend.forget`)."""
+    """Drop the remembered plans of every op (after a fork; with :func:`gradops.backend.forget`), the copies the
+    native extension keeps of those with a native node included."""
     for planner in _PLANNERS:
         planner.forget()
+    from .. import native
+
+    native.forget_plans()
 
 
 os.register_at_fork(after_in_child=forget_all)
