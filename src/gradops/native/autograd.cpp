@@ -7,10 +7,12 @@
 // whose forward and backward call gradops' compiled CPU kernels: numba cfuncs, handed over as addresses
 // (gradops.cpu.*.c_entries). The same kernels as the Python path, the same operation order: the same bits.
 //
-// What stays in Python: validation (gradops' call plan, before the forward) and the double backward. A backward
-// run with create_graph=True (grad mode on inside the backward) calls the Python formula registered for the op,
-// which records its own differentiable graph; every other backward is C++ only. (LayerNorm's second derivative
-// then sums its two parts, through y and through the statistics, in another order than the Python path: equal to
+// What stays in Python: validation (gradops' call plan, on the first call of each argument metadata; the plan's
+// answer is then remembered here, so a repeated call is one C++ call after the tests only Python can make), and
+// the backwards the kernels cannot run: create_graph=True (grad mode on inside the backward), a forked child, an
+// upstream gradient that is not a plain tensor. Those call the Python formula registered for the op, which
+// records its own differentiable graph; every other backward is C++ only. (LayerNorm's second derivative then
+// sums its two parts, through y and through the statistics, in another order than the Python path: equal to
 // float32 rounding, tests/test_native.py.)
 //
 // Every tensor handed to a kernel is contiguous (the caller checks the inputs; the upstream gradient is made
