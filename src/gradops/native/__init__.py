@@ -122,7 +122,8 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
     """The extension's function for ``op`` (``hardswish``, ``layer_norm``), or None when the native nodes cannot run
     here: not loaded, or numba's thread pool must not be launched outside gradops' guards (a forked child of a GNU
     OpenMP parent, the workqueue layer: see :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs,
-    extra)`` is the op's Python backward for ``create_graph=True``, registered with the extension on first use."""
+    extra)`` is the op's Python backward, for the backwards the kernels do not run (``create_graph=True``, a forked
+    child, a gradient that is not a plain tensor: see autograd.cpp), registered with the extension on first use."""
     ext = module()
     if ext is None:
         return None
