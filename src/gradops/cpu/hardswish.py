@@ -6,15 +6,13 @@ layout, e.g. both transposed) are processed in storage order without a copy; any
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import njit, prange
 from torch import Tensor
 
 from . import _pool
-from ._host import PARALLEL_MIN, c_function, safe_entry
+from ._host import PARALLEL_MIN, safe_entry
 from ._numeric import FASTMATH, ld, st
 from ._views import STORAGE, view1
 
@@ -151,23 +149,3 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = N
         out.copy_(buf)
         return out
     return buf
-
-
-_I64 = types.int64
-
-
-@functools.cache
-def c_entries(dtype: torch.dtype) -> tuple[int, int]:
-    """The C addresses of the forward and backward entries for ``dtype`` (float32 / float16 / bfloat16), for
-    gradops.native's Hardswish node: ``forward(x, y, n)`` and ``backward(g, x, out, n)``, each tensor by address,
-    contiguous. Compiled on first use (cached on disk)."""
-    storage = STORAGE[dtype]
-
-    def forward(x_at, y_at, n):  # pragma: no cover - compiled
-        _hardswish_entry(x_at, y_at, storage, n)
-
-    def backward(g_at, x_at, out_at, n):  # pragma: no cover - compiled
-        _hardswish_backward_entry(g_at, x_at, out_at, storage, n)
-
-    return (c_function(types.void(_I64, _I64, _I64), forward).address,
-            c_function(types.void(_I64, _I64, _I64, _I64), backward).address)

@@ -7,16 +7,14 @@ res_for_gamma written); grad_beta ``2·M·N·s + 2·N·s``; fused backward ``M·
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import njit, prange
 from torch import Tensor
 
 from ..contract.layer_norm import LayerNormPlan, statistic_error
 from . import _pool
-from ._host import PARALLEL_MIN, ROW_BLOCKS, c_function, dense, finish, output, row_blocks, safe_entry, scratch
+from ._host import PARALLEL_MIN, dense, finish, output, row_blocks, safe_entry, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
 from ._views import F32, STORAGE, view1, view2
@@ -453,30 +451,3 @@ def layer_norm_backward_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, mean:
                          _pool.empty(gamma.shape, torch.float32))
     _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, plan.rows, plan.cols, None, check_statistics)
     return dx, dgamma, dbeta
-
-
-_I64 = types.int64
-
-
-@functools.cache
-def c_entries(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[int, int]:
-    """The C addresses of the forward and the fused backward for x / gamma / beta of these dtypes, for
-    gradops.native's LayerNorm node (contiguous tensors by address, statistics float32 (M,)):
-    ``forward(x, gamma, beta, eps, y, mean, var, m, n)``, ``backward(dy, x, mean, rstd, gamma, dx, dgamma, dbeta,
-    m, n)``. The backward allocates its dgamma / dbeta partials as :func:`layer_norm_backward` does (row_blocks(m)
-    rows each, summed in the same fixed order) and checks no statistic (rstd comes from the node's own forward).
-    Compiled on first use (cached on disk)."""
-    x_s, g_s, b_s = STORAGE[dtype], STORAGE[gamma_dtype], STORAGE[beta_dtype]
-
-    def forward(x_at, gamma_at, beta_at, eps, y_at, mean_at, var_at, m, n):  # pragma: no cover - compiled
-        _layer_norm_entry(x_at, x_s, gamma_at, g_s, beta_at, b_s, eps, y_at, mean_at, var_at, m, n)
-
-    def backward(dy_at, x_at, mean_at, rstd_at, gamma_at, dx_at, dgamma_at, dbeta_at, m, n):  # pragma: no cover
-        nblk = max(1, min(ROW_BLOCKS, m))
-        pg = np.empty(nblk * n, dtype=np.float32).reshape(nblk, n)
-        pb = np.empty(nblk * n, dtype=np.float32).reshape(nblk, n)
-        _backward_entry(dy_at, x_at, x_s, mean_at, rstd_at, gamma_at, g_s, dx_at, pg, pb, dgamma_at, dbeta_at, m, n,
-                        False)
-
-    return (c_function(types.void(_I64, _I64, _I64, types.float64, _I64, _I64, _I64, _I64, _I64), forward).address,
-            c_function(types.void(*([_I64] * 10)), backward).address)

@@ -5,7 +5,8 @@
 // CI VM, 2026-11-23: 106-116 µs against 78-88), so no Python autograd path can come within 1.25x of torch at
 // small sizes. These nodes are torch::autograd::Function in C++ (torch's own CppNode, as cheap as ATen's nodes)
 // whose forward and backward call gradops' compiled CPU kernels: numba cfuncs, handed over as addresses
-// (gradops.cpu.*.c_entries). The same kernels as the Python path, the same operation order: the same bits.
+// (gradops.cpu.c_abi, whose signatures are the function-pointer types below). The same kernels as the Python
+// path, the same operation order: the same bits.
 //
 // What stays in Python: validation (gradops' call plan, on the first call of each argument metadata; the plan's
 // answer is then remembered here, so a repeated call is one C++ call after the tests only Python can make), and

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import native
 from ._sharding import ensure_registered
 
 try:  # loaded by torch itself; imported here so that the attribute walk below finds it
@@ -112,17 +113,37 @@ def eager_path(*args: object) -> str:
 
 
 def python_allows_native() -> bool:
-    """The part of :func:`recorded` only Python can answer: grad mode on, the direct path on, not tracing under
-    torch.compile (dynamo answers ``is_compiling`` while it traces, and must never see the extension's calls)."""
+    """The part of the native nodes' eager-path test only Python can answer: grad mode on, the direct path on, not
+    tracing under torch.compile (dynamo answers ``is_compiling`` while it traces, and must never see the
+    extension's calls). The rest is the extension's ``recordable``, one C++ call (see autograd.cpp)."""
     return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling()
 
 
-def recorded(recordable: Callable[..., bool], *args: object) -> bool:
-    """Whether ``eager_path(*args)`` is :data:`FUNCTION`, asked of gradops.native's one-call C++ test
-    ``recordable`` (see autograd.cpp) after the answers only Python has (the switch, torch.compiler.is_compiling:
-    dynamo answers it while tracing). True only where :func:`eager_path` says FUNCTION; False may also mean "ask
-    eager_path" (the caller then takes its usual path, which does)."""
-    return python_allows_native() and recordable(*args)
+def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...], scalar: float | None = None
+                ) -> Tensor | None:
+    """The recorded call of ``op`` (``hardswish``, ``layer_norm``) on its native autograd node (:mod:`gradops.native`:
+    the same kernels and bits as the Python Function, no Python in the backward), or None when it cannot take one:
+    not an eager recorded call on plain tensors, no node in ``planner``'s plan (another backend, the extension not
+    loaded, an empty input), or a tensor not contiguous. ``tensors`` (then ``scalar``) are the op's arguments.
+
+    A call whose plan the extension remembers is one C++ call after :func:`python_allows_native`; the first call of
+    each argument metadata runs the Python call plan (validation, backend) and hands its answer to the extension.
+    Under no_grad this costs one C call."""
+    if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
+        return None
+    ext = native.module()
+    if ext is None:
+        return None
+    extra = () if scalar is None else (scalar,)
+    result = getattr(ext, f"{op}_planned")(*tensors, *extra)
+    if result is not None or not ext.recordable(*tensors):
+        return result
+    entry = planner(*tensors, *extra).native
+    if entry is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    node, forward, backward = entry
+    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, forward, backward)
+    return node(*tensors, *extra, forward, backward)
 
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -194,8 +215,8 @@ class DirectOp:
         self.op = torch.library.custom_op(name, mutates_args=())(body)
         self.op.register_vmap(_sample_by_sample(self.op))
         self.function: type[torch.autograd.Function] | None = None
-        #: ``native(*args)``: the call on a native autograd node (:mod:`gradops.native`) when it is an eager
-        #: recorded call the node can take (tested first, by :func:`recorded`), else None. Set by the op's module.
+        #: ``native(*args)``: the call on a native autograd node when it is an eager recorded call the node can take
+        #: (:func:`native_call`), else None. Set by the op's module.
         self.native: Callable[..., Any] | None = None
         name = body.__name__.removesuffix("_body").lstrip("_")
 

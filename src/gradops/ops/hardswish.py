@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import native, reference
 from ..contract import hardswish as contract
 from ..contract._memo import remembered
-from ._direct import DirectOp, own, python_allows_native
+from ._direct import DirectOp, native_call, own
 from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
@@ -19,9 +19,9 @@ def _native_entry(choice, shape, x: Tensor):
     node = native.node("hardswish", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu.hardswish import c_entries
+    from ..cpu import c_abi
 
-    return (node, *c_entries(x.dtype))
+    return (node, *c_abi.hardswish(x.dtype))
 
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
@@ -92,30 +92,7 @@ def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tenso
     return (_hardswish_backward(grad, x),)
 
 
-def _native(x: Tensor) -> Tensor | None:
-    """The recorded forward on the native node (same kernels, same bits, no Python in the backward), or None when
-    the call takes another path: not an eager recorded call on a plain tensor, no node for this plan, or x not
-    contiguous (the Python path keeps x's layout for y). A call whose plan the extension remembers is one C++ call
-    after the Python-only test (grad mode on inside: a no_grad call pays one C call here)."""
-    if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
-        return None
-    ext = native.module()
-    if ext is None:
-        return None
-    y = ext.hardswish_planned(x)
-    if y is not None:
-        return y
-    if not ext.recordable(x):
-        return None
-    entry = plan_hardswish(x).native
-    if entry is None or not x.is_contiguous():
-        return None
-    node, forward, backward = entry
-    ext.remember(ext.HARDSWISH, [x], 0.0, forward, backward)
-    return node(x, forward, backward)
-
-
-_hardswish.native = _native
+_hardswish.native = lambda x: native_call("hardswish", plan_hardswish, (x,))
 
 
 def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:

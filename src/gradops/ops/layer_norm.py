@@ -12,7 +12,7 @@ from ..contract import layer_norm as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
-from ._direct import BODY, DirectOp, eager_path, fit, own, python_allows_native
+from ._direct import BODY, DirectOp, eager_path, fit, native_call, own
 from ._double import compute_dtype, partial_vjp, save_inputs
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
@@ -39,9 +39,9 @@ def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon
     node = native.node("layer_norm", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu.layer_norm import c_entries
+    from ..cpu import c_abi
 
-    return (node, *c_entries(x.dtype, gamma.dtype, beta.dtype))
+    return (node, *c_abi.layer_norm(x.dtype, gamma.dtype, beta.dtype))
 
 
 plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry)
@@ -224,19 +224,10 @@ def layer_norm_output(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) ->
     """``layer_norm(x, gamma, beta, epsilon)[0]``, the output torch.nn.LayerNorm returns. A recorded call on CPU runs
     on the native LayerNorm node when it can (:mod:`gradops.native`: the same kernels and bits, the statistics kept
     inside the node, no Python in the backward); everything else is :func:`layer_norm`'s own path."""
-    # python_allows_native first: under torch.compile it is all dynamo traces of the native path. epsilon of another
-    # type (a str, a bool) is the call plan's to refuse, with its OpError.
-    ext = native.module() if python_allows_native() and type(epsilon) in (float, int) else None
-    if ext is not None:
-        y = ext.layer_norm_planned(x, gamma, beta, float(epsilon))  # a remembered plan: one C++ call
+    if type(epsilon) in (float, int):  # another type (a str, a bool) is the call plan's to refuse, with its OpError
+        y = native_call("layer_norm", plan_layer_norm, (x, gamma, beta), float(epsilon))
         if y is not None:
             return y
-        if ext.recordable(x, gamma, beta):
-            entry = plan_layer_norm(x, gamma, beta, epsilon).native
-            if entry is not None and x.is_contiguous() and gamma.is_contiguous() and beta.is_contiguous():
-                node, forward, backward = entry
-                ext.remember(ext.LAYER_NORM, [x, gamma, beta], float(epsilon), forward, backward)
-                return node(x, gamma, beta, float(epsilon), forward, backward)
     return layer_norm(x, gamma, beta, epsilon)[0]
 
 
