@@ -71,7 +71,8 @@ def _both(module, x, upstream=lambda y: (y * 1.5).sum(), create_graph=False):
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 8 x 8: the per-call end; (3, 5, 64): a 3-D input; 512 x 256 = 131072 items, above the kernels' serial/parallel
-# threshold (PARALLEL_MIN = 32768), so the parallel loops run; 7 x 33: odd sizes, no vector-width multiple.
+# threshold (PARALLEL_MIN = 32768), so the nodes split the work over torch's threads; 7 x 33: odd sizes, no
+# vector-width multiple.
 SHAPES = [(8, 8), (3, 5, 64), (512, 256), (7, 33)]
 
 
@@ -84,8 +85,8 @@ def test_hardswish_node_matches_python_path(shape, dtype):
     x.data[..., -1] = -3.0
     w = torch.randn(shape).to(dtype)
     name, name_py, ours, python = _both(gnn.Hardswish(), x, lambda y: (y * w).sum())
-    assert name == "torch::autograd::CppNode<gradops_native::HardswishNode>"
-    assert "CppNode" not in name_py
+    assert name == "gradops_native::HardswishBackward"
+    assert "gradops_native" not in name_py
     _same(ours, python)
     assert ours[1][..., 0].eq((w[..., 0].float() * 1.5).to(dtype)).all()
 
@@ -105,9 +106,38 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
     x = torch.randn(shape).to(dtype).requires_grad_()
     w = torch.randn(shape).to(dtype)
     name, name_py, ours, python = _both(module, x, lambda y: (y * w).sum())
-    assert name == "torch::autograd::CppNode<gradops_native::LayerNormNode>"
-    assert "CppNode" not in name_py
+    assert name == "gradops_native::LayerNormBackward"
+    assert "gradops_native" not in name_py
     _same(ours, python)
+
+
+def test_thresholds_agree_with_the_python_path():
+    """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies)."""
+    from gradops.cpu import _host
+
+    ext = native.module()
+    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS)
+
+
+@pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])
+def test_same_bits_on_any_number_of_threads(make):
+    """The nodes run on torch's intra-op threads (at::parallel_for): the pieces are elementwise, per row, or fixed
+    row blocks folded in a fixed order, so one thread and two give the same bits (130 x 1000 fp32, above the
+    parallel threshold: 3 rows in each of row blocks 0-42, 1 in block 43, none in 44-63 - an uneven split)."""
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(130, 1000, requires_grad=True)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            name, y, grads = _step(module, x, lambda y: (y * 1.5).sum())
+            assert name.startswith("gradops_native::")
+            results.append([y, *grads])
+    finally:
+        torch.set_num_threads(before)
+    _same(*results)
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(64)], ids=["Hardswish", "LayerNorm"])
@@ -123,8 +153,8 @@ def test_strided_input_takes_the_python_path():
     """A non-contiguous x keeps the Python Function (which lays y out like x); results as before."""
     x = torch.randn(64, 32).t().requires_grad_()
     module = gnn.Hardswish()
-    assert "CppNode" not in module(x).grad_fn.name()
-    assert "CppNode" not in gnn.LayerNorm(64)(x).grad_fn.name()
+    assert "gradops_native" not in module(x).grad_fn.name()
+    assert "gradops_native" not in gnn.LayerNorm(64)(x).grad_fn.name()
 
 
 def test_double_backward_through_the_node():
@@ -143,7 +173,7 @@ def test_double_backward_through_the_node():
             for t in (x, *module.parameters()):
                 t.grad = None
             y = module(x)
-            assert ("CppNode" in y.grad_fn.name()) == flag
+            assert ("gradops_native" in y.grad_fn.name()) == flag
             (gx,) = torch.autograd.grad((y * y * w).sum(), x, create_graph=True)
             (gx * gx).sum().backward()
             results.append([gx.detach(), x.grad, *(p.grad for p in module.parameters())])
@@ -167,7 +197,7 @@ def test_gradients_that_are_not_plain_take_the_op():
     for module in (gnn.Hardswish(), gnn.LayerNorm(8)):
         x = x0.clone().requires_grad_()
         y = module(x)
-        assert "CppNode" in y.grad_fn.name()
+        assert "gradops_native" in y.grad_fn.name()
         (batched,) = torch.autograd.grad(y, x, cotangents, retain_graph=True, is_grads_batched=True)
         looped = torch.stack([torch.autograd.grad(y, x, c, retain_graph=True)[0] for c in cotangents])
         assert torch.equal(batched, looped)
@@ -224,7 +254,7 @@ def test_backward_in_a_forked_child():
     x = torch.randn(512, 256, requires_grad=True)
     modules = (gnn.Hardswish(), gnn.LayerNorm(256))
     ys = [m(x) for m in modules]
-    assert all("CppNode" in y.grad_fn.name() for y in ys)
+    assert all("gradops_native" in y.grad_fn.name() for y in ys)
     expected = torch.autograd.grad(sum((y * 1.5).sum() for y in ys), x, retain_graph=True)[0]
     pid = os.fork()
     if pid == 0:  # the child: report through the exit status only
@@ -294,16 +324,16 @@ def test_remembered_plans_follow_the_environment(monkeypatch):
     x = torch.randn(4, 8, requires_grad=True)
     layer, act = gnn.LayerNorm(8), gnn.Hardswish()
     for _ in range(2):
-        assert "CppNode" in layer(x).grad_fn.name() and "CppNode" in act(x).grad_fn.name()
+        assert "gradops_native" in layer(x).grad_fn.name() and "gradops_native" in act(x).grad_fn.name()
     first = layer(x)
     monkeypatch.setenv("GRADOPS_BACKEND", "torch")
-    assert "CppNode" not in layer(x).grad_fn.name() and "CppNode" not in act(x).grad_fn.name()
+    assert "gradops_native" not in layer(x).grad_fn.name() and "gradops_native" not in act(x).grad_fn.name()
     assert torch.allclose(layer(x), first, atol=1e-6)
     monkeypatch.delenv("GRADOPS_BACKEND")
     assert torch.equal(layer(x), first)
     y = gnn.LayerNorm(8, eps=1e-3)(x)
-    assert "CppNode" in y.grad_fn.name() and not torch.equal(y, first)
-    assert "CppNode" in gnn.LayerNorm(8)(torch.randn(2, 3, 8, requires_grad=True)).grad_fn.name()
+    assert "gradops_native" in y.grad_fn.name() and not torch.equal(y, first)
+    assert "gradops_native" in gnn.LayerNorm(8)(torch.randn(2, 3, 8, requires_grad=True)).grad_fn.name()
     bad = gnn.LayerNorm(8)
     bad.eps = "tiny"
     with pytest.raises(gradops.OpError):
@@ -318,15 +348,15 @@ def test_fullgraph_compile_never_sees_the_extension():
         compiled = torch.compile(module, fullgraph=True, backend="eager")
         y = compiled(x)
         y.sum().backward()
-        assert "CppNode" not in y.grad_fn.name()
-        assert "CppNode" in module(x).grad_fn.name()
+        assert "gradops_native" not in y.grad_fn.name()
+        assert "gradops_native" in module(x).grad_fn.name()
         torch._dynamo.reset()
 
 
 def test_switch_and_environment(python_path):
     assert native.status() == "set_enabled(False)"
     x = torch.randn(4, 8, requires_grad=True)
-    assert "CppNode" not in gnn.Hardswish()(x).grad_fn.name()
+    assert "gradops_native" not in gnn.Hardswish()(x).grad_fn.name()
     code = "import gradops.native as n; print(n.status())"
     env = {**os.environ, "GRADOPS_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -63,13 +63,17 @@ def test_fsdp_and_expert_parallel_training_equals_one_process(ranks, model_dir, 
 
 
 def test_tensor_and_expert_parallel_training_with_the_gradops_exchange_equals_one_process(ranks, model_dir):
-    """TP + EP: the ranks share the batch and gradops' exchange sends each one's slice of it (measured: loss
-    equal, gradients <= 4.5e-8 apart: the tensor-parallel attention sums in another order)."""
+    """TP + EP: the ranks share the batch and gradops' exchange sends each one's slice of it. The tensor-parallel
+    attention sums its partial products in another order, so a gradient entry may differ by a few float32 ulps of
+    the largest entry it is summed with: measured (torch 2.13 CPU, transformers 5.23, 2026-11-24) at most 2.8, 3.1
+    and 4.0 ulps of each tensor's largest entry (4.5e-8 of 0.136 for the embedding); the bound is 8."""
     whole = w.step(w.load(model_dir), w.batch())
+    ulp = torch.finfo(torch.float32).eps
     for got in saved(ranks, "tp-gradops"):
         torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=0)
         for name in w.GRADS:
-            torch.testing.assert_close(got[name], whole[name], rtol=1e-5, atol=1e-8, msg=name)
+            bound = 8 * ulp * float(whole[name].abs().max())
+            torch.testing.assert_close(got[name], whole[name], rtol=0, atol=bound, msg=name)
 
 
 def test_inference_over_a_shared_batch_runs_gradops_experts_with_sentinels(ranks, model_dir):

@@ -151,21 +151,19 @@ _cfuncs: list = []
 
 def c_function(signature, body: Callable):
     """``body`` compiled as a C function of ``signature`` (a numba cfunc, cached on disk) for gradops.native; its
-    ``.address`` stays valid for the life of the process. The thread pool is started first: a cached cfunc whose
-    callee runs parallel loops loads only once numba's parallel runtime exists (numba 0.68 otherwise aborts the
-    process: "LLVM ERROR: Symbol not found: allocate_sched")."""
+    ``.address`` stays valid for the life of the process. ``body`` must run serially: the nodes split the work over
+    torch's threads themselves (a cached cfunc whose callee runs numba's parallel loops would also need numba's
+    parallel runtime loaded first - numba 0.68 otherwise aborts: "LLVM ERROR: Symbol not found: allocate_sched")."""
     from numba import cfunc
 
-    if not _layer_decided:
-        _decide_layer()
     compiled = cfunc(signature, cache=True)(body)
     _cfuncs.append(compiled)
     return compiled
 
 
 def native_launch_ok() -> bool:
-    """Whether a kernel may be launched from a native node, outside :func:`safe_entry`: never in a forked child
-    whose parent ran GNU OpenMP, never under the workqueue layer (whose launches must be serialised by the lock)."""
-    if not _layer_decided:
-        _decide_layer()
-    return not _forked_omp_child and _launch_lock is None
+    """Whether a native node may run its kernels: not in a child forked after this process ran numba's GNU OpenMP
+    pool (the Python path's guards decide there, see :data:`_forked_omp_child`). The nodes' kernels are serial
+    pieces on torch's own threads, so numba's threading layer does not matter to them, and asking does not load
+    numba's parallel runtime."""
+    return not _forked_omp_child

@@ -1,7 +1,9 @@
 """The compiled kernels as C functions, for gradops.native's autograd nodes (src/gradops/native/autograd.cpp).
 
-Each entry is a numba cfunc around an op's by-address entry (:mod:`gradops.cpu._views`) with the storage dtypes
-fixed, so the C++ nodes call the very kernels the Python path runs. The signatures here are the function-pointer
+Each entry is a numba cfunc around the serial piece of an op's kernel (a span of items, a range of rows or row
+blocks: the functions the Python path's loops run), tensors by address (:mod:`gradops.cpu._views`) with the storage
+dtypes fixed. The C++ nodes split the pieces over torch's own threads, so they compute the same bits as the Python
+path. The signatures here are the function-pointer
 types in autograd.cpp; change both together. Compiled on first use per dtype combination, cached on disk
 (:func:`gradops.cpu._host.c_function`).
 """
@@ -14,10 +16,11 @@ import numpy as np
 import torch
 from numba import types
 
-from ._host import ROW_BLOCKS, c_function
-from ._views import STORAGE
-from .hardswish import _hardswish_backward_entry, _hardswish_entry
-from .layer_norm import _backward_entry, _layer_norm_entry
+from ._host import c_function
+from ._reduce import fold_partials
+from ._views import F32, STORAGE, view1, view2
+from .hardswish import _hardswish_backward_chunk, _hardswish_chunk
+from .layer_norm import _backward_block, _layer_norm_row
 
 _I64 = types.int64
 
@@ -26,38 +29,56 @@ _I64 = types.int64
 def hardswish(dtype: torch.dtype) -> tuple[int, int]:
     """The addresses of Hardswish's forward and backward for ``dtype`` (float32 / float16 / bfloat16):
     ``forward(x, y, n)`` (ElementwiseFn) and ``backward(g, x, out, n)`` (ElementwiseGradFn), each tensor by
-    address, contiguous."""
+    address, contiguous. Serial: the node splits the items over torch's own threads (see autograd.cpp)."""
     storage = STORAGE[dtype]
 
     def forward(x_at, y_at, n):  # pragma: no cover - compiled
-        _hardswish_entry(x_at, y_at, storage, n)
+        _hardswish_chunk(view1(x_at, storage, n), view1(y_at, storage, n))
 
     def backward(g_at, x_at, out_at, n):  # pragma: no cover - compiled
-        _hardswish_backward_entry(g_at, x_at, out_at, storage, n)
+        _hardswish_backward_chunk(view1(g_at, storage, n), view1(x_at, storage, n), view1(out_at, storage, n))
 
     return (c_function(types.void(_I64, _I64, _I64), forward).address,
             c_function(types.void(_I64, _I64, _I64, _I64), backward).address)
 
 
 @functools.cache
-def layer_norm(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[int, int]:
-    """The addresses of the LayerNorm forward and the fused backward for x / gamma / beta of these dtypes
-    (contiguous tensors by address, statistics float32 (M,)): ``forward(x, gamma, beta, eps, y, mean, var, m, n)``
-    (LayerNormFn), ``backward(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, m, n)`` (LayerNormGradFn). The backward
-    allocates its dgamma / dbeta partials as :func:`gradops.cpu.layer_norm.layer_norm_backward` does
-    (:func:`~gradops.cpu._host.row_blocks` rows each, written here in numba: the same count, so the same fixed
-    summation order and bits) and checks no statistic (rstd comes from the node's own forward)."""
+def layer_norm(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[int, int, int]:
+    """The addresses of the LayerNorm kernels for x / gamma / beta of these dtypes (contiguous tensors by address,
+    statistics float32 (M,)), each serial: the node splits the work over torch's own threads (see autograd.cpp).
+
+    - ``forward(x, gamma, beta, eps, y, mean, var, m, n)`` (LayerNormFn): the ``m`` rows at these addresses.
+    - ``backward(dy, x, mean, rstd, gamma, dx, pg, pb, m, n, blocks, b0, b1)`` (LayerNormBlocksFn): row blocks
+      ``b0 <= b < b1`` of the fused backward, of ``blocks`` fixed blocks over the m rows (see
+      :func:`~gradops.cpu._host.row_blocks`): dx of the block's rows, its dgamma / dbeta partials in rows b of the
+      float32 ``pg`` / ``pb`` (blocks x n). No statistic is checked (rstd comes from the node's own forward).
+    - ``fold(pg, pb, dgamma, dbeta, blocks, n)`` (FoldFn): the partials summed in the fixed order of
+      :func:`~gradops.cpu._reduce.fold_partials` into float32 dgamma / dbeta.
+
+    The blocks and the fold are the Python path's (:func:`gradops.cpu.layer_norm.layer_norm_backward`), so the
+    results are the same bits whichever thread runs which block."""
     x_s, g_s, b_s = STORAGE[dtype], STORAGE[gamma_dtype], STORAGE[beta_dtype]
 
     def forward(x_at, gamma_at, beta_at, eps, y_at, mean_at, var_at, m, n):  # pragma: no cover - compiled
-        _layer_norm_entry(x_at, x_s, gamma_at, g_s, beta_at, b_s, eps, y_at, mean_at, var_at, m, n)
+        x, y = view2(x_at, x_s, m, n), view2(y_at, x_s, m, n)
+        gamma, beta = view1(gamma_at, g_s, n), view1(beta_at, b_s, n)
+        mean, var = view1(mean_at, F32, m), view1(var_at, F32, m)
+        eps32 = np.float32(eps)
+        for r in range(m):
+            _layer_norm_row(x, gamma, beta, eps32, y, mean, var, r)
 
-    def backward(dy_at, x_at, mean_at, rstd_at, gamma_at, dx_at, dgamma_at, dbeta_at, m, n):  # pragma: no cover
-        nblk = max(1, min(ROW_BLOCKS, m))
-        pg = np.empty(nblk * n, dtype=np.float32).reshape(nblk, n)
-        pb = np.empty(nblk * n, dtype=np.float32).reshape(nblk, n)
-        _backward_entry(dy_at, x_at, x_s, mean_at, rstd_at, gamma_at, g_s, dx_at, pg, pb, dgamma_at, dbeta_at, m, n,
-                        False)
+    def backward(dy_at, x_at, mean_at, rstd_at, gamma_at, dx_at, pg_at, pb_at, m, n, blocks, b0, b1
+                 ):  # pragma: no cover - compiled
+        dy, x, dx = view2(dy_at, x_s, m, n), view2(x_at, x_s, m, n), view2(dx_at, x_s, m, n)
+        mean, rstd, gamma = view1(mean_at, F32, m), view1(rstd_at, F32, m), view1(gamma_at, g_s, n)
+        pg, pb = view2(pg_at, F32, blocks, n), view2(pb_at, F32, blocks, n)
+        for b in range(b0, b1):
+            _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b)
+
+    def fold(pg_at, pb_at, dgamma_at, dbeta_at, blocks, n):  # pragma: no cover - compiled
+        fold_partials(view2(pg_at, F32, blocks, n), view1(dgamma_at, F32, n))
+        fold_partials(view2(pb_at, F32, blocks, n), view1(dbeta_at, F32, n))
 
     return (c_function(types.void(_I64, _I64, _I64, types.float64, _I64, _I64, _I64, _I64, _I64), forward).address,
-            c_function(types.void(*([_I64] * 10)), backward).address)
+            c_function(types.void(*([_I64] * 13)), backward).address,
+            c_function(types.void(*([_I64] * 6)), fold).address)

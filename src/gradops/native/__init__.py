@@ -3,8 +3,9 @@ Python in the backward.
 
 A ``torch.autograd.Function`` costs a Python call per forward and per backward; around ATen's own kernels it is
 already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2-core CI VM, 2026-11-23). These nodes are C++
-(torch's own custom-function machinery) and call the same compiled CPU kernels as the Python path by address, so
-results are the same bits; see ``autograd.cpp`` for what stays in Python (validation, the double backward).
+autograd nodes written as torch's generated ones are, and call the same compiled CPU kernels as the Python path by
+address, split over torch's own threads, so results are the same bits; see ``autograd.cpp`` for what stays in
+Python (validation, the double backward).
 
 The extension is built once per (source, torch, Python) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``, else
 ``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on the CI VM).
@@ -38,10 +39,17 @@ _OPS = {"hardswish": "HARDSWISH", "layer_norm": "LAYER_NORM"}
 _registered: set[str] = set()
 
 
+#: With torch's OpenMP backend, at::parallel_for is inlined into the extension as an OpenMP region: compiled with
+#: -fopenmp, it links libgomp.so.1, the runtime torch has loaded already, so the nodes' kernels run on ATen's own
+#: thread pool. (Without the flag the region would run on one thread.) A torch with the native backend runs it in
+#: libtorch: no flag.
+_OPENMP = ("-fopenmp",) if torch._C.has_openmp else ()
+
+
 def _tag() -> str:
-    """What the built library depends on: the source, torch's version (its C++ ABI) and the Python ABI."""
+    """What the built library depends on: the source, its flags, torch's version (its C++ ABI) and the Python ABI."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}".encode())
+    digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}|{_OPENMP}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -88,7 +96,8 @@ def build(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     # -O2: the nodes only allocate and call the kernels; no torch/extension.h (the whole C++ API), which triples
     # the build time for nothing used here.
-    load(name(), [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"], verbose=verbose)
+    load(name(), [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2", *_OPENMP],
+         extra_ldflags=list(_OPENMP), verbose=verbose)
     return library
 
 
@@ -120,8 +129,8 @@ def module() -> ModuleType | None:
 
 def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
     """The extension's function for ``op`` (``hardswish``, ``layer_norm``), or None when the native nodes cannot run
-    here: not loaded, or numba's thread pool must not be launched outside gradops' guards (a forked child of a GNU
-    OpenMP parent, the workqueue layer: see :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs,
+    here: not loaded, or a child forked after numba's GNU OpenMP pool ran (see
+    :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs,
     extra)`` is the op's Python backward, for the backwards the kernels do not run (``create_graph=True``, a forked
     child, a gradient that is not a plain tensor: see autograd.cpp), registered with the extension on first use."""
     ext = module()

@@ -141,9 +141,9 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
     entry = planner(*tensors, *extra).native
     if entry is None or not all(t.is_contiguous() for t in tensors):
         return None
-    node, forward, backward = entry
-    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, forward, backward)
-    return node(*tensors, *extra, forward, backward)
+    node, kernels = entry
+    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, kernels)
+    return node(*tensors, *extra, kernels)
 
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:

@@ -21,7 +21,7 @@ def _native_entry(choice, shape, x: Tensor):
         return None
     from ..cpu import c_abi
 
-    return (node, *c_abi.hardswish(x.dtype))
+    return node, list(c_abi.hardswish(x.dtype))
 
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a

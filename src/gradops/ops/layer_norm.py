@@ -41,7 +41,7 @@ def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon
         return None
     from ..cpu import c_abi
 
-    return (node, *c_abi.layer_norm(x.dtype, gamma.dtype, beta.dtype))
+    return node, list(c_abi.layer_norm(x.dtype, gamma.dtype, beta.dtype))
 
 
 plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry)
