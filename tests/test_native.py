@@ -113,10 +113,11 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
 
 def test_thresholds_agree_with_the_python_path():
     """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies)."""
-    from gradops.cpu import _host
+    from gradops.cpu import _host, c_abi
 
     ext = native.module()
-    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS)
+    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.TABLE_ROWS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS,
+                                                                   c_abi.EMBEDDING_ROWS)
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])
@@ -235,6 +236,63 @@ def test_saved_tensor_hooks_and_version_check():
         y.sum().backward()
 
 
+# ---------------------------------------------------------------- Embedding
+# (indices, table rows): fewer indices than rows (the sorting path: the table zeroed, the touched rows written), more
+# (the counting sort, every row in fixed blocks), 4096 x 64 = 256 Ki table items (blocks split over the threads),
+# 3-D indices, repeats of a few rows (row sums of several gradient rows), no index at all.
+EMBEDDING_CASES = [((4, 7), 100), ((300,), 100), ((2, 3, 5), 16), ((5000,), 4096), ((64,), 3), ((0,), 10)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize(("shape", "rows"), EMBEDDING_CASES, ids=str)
+@pytest.mark.parametrize("options", [(None, False), (3, False), (None, True), (-2, True)], ids=str)
+def test_embedding_node_matches_python_path(shape, rows, index_dtype, dtype, options):
+    padding_idx, scale = options
+    if padding_idx is not None and padding_idx >= rows:
+        padding_idx = rows - 1
+    torch.manual_seed(0)
+    module = gnn.Embedding(rows, 64 if rows >= 4096 else 24, padding_idx=padding_idx, scale_grad_by_freq=scale)
+    module.to(dtype)
+    indices = torch.randint(0, rows, shape, dtype=index_dtype)
+    w = torch.randn(*shape, module.embedding_dim).to(dtype)
+    name, _, ours, python = _both(module, indices, lambda y: (y * w).sum())
+    assert name == "gradops_native::EmbeddingBackward"
+    _same(ours, python)
+
+
+def test_embedding_indices_outside_the_table_are_refused():
+    """The node tests the range before reading a row (forward); an index changed behind autograd's back after the
+    forward (``.data``: no version bump) is refused by the backward's own test, with the op's OpError."""
+    module = gnn.Embedding(10, 4)
+    for bad in (torch.tensor([3, 10]), torch.tensor([[-1, 2]], dtype=torch.int32)):
+        with pytest.raises(gradops.OpError) as err:
+            module(bad)
+        assert err.value.status == 161002
+    for count in (3, 30):  # the sorting path, the counting sort
+        indices = torch.randint(0, 10, (count,))
+        y = module(indices)
+        assert y.grad_fn.name() == "gradops_native::EmbeddingBackward"
+        indices.data[1] = 10
+        with pytest.raises(gradops.OpError, match="got 10 at flat position 1"):
+            y.sum().backward()
+
+
+def test_embedding_double_backward_and_other_index_dtypes():
+    """create_graph=True records the op's differentiable backward (the weight's gradient is linear in the upstream
+    gradient: its derivative is a gather); uint8 / float indices keep the Python path (CANN's conversion)."""
+    torch.manual_seed(0)
+    module = gnn.Embedding(20, 8)
+    indices = torch.randint(0, 20, (30,))
+    g = torch.randn(30, 8, requires_grad=True)
+    y = module(indices)
+    (dw,) = torch.autograd.grad(y, module.weight, g, create_graph=True)
+    (dg,) = torch.autograd.grad((dw * dw).sum(), g)
+    torch.testing.assert_close(dg, 2 * dw.detach()[indices], rtol=0, atol=0)
+    for other in (indices.to(torch.uint8), indices.float()):
+        assert "gradops_native" not in module(other).grad_fn.name()
+
+
 def test_invalid_input_still_raises_op_error():
     """Validation runs before the node: an unsupported dtype is OpError 161002, as on the Python path."""
     x = torch.zeros(4, 8, dtype=torch.int32)
@@ -248,8 +306,9 @@ def test_invalid_input_still_raises_op_error():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_backward_in_a_forked_child():
     """A graph recorded before fork() and run backward in the child: the child's backward takes the Python path,
-    whose guards know whether the kernels' thread pool survived the fork (after a parallel kernel under GNU
-    OpenMP it did not: numba would terminate the child). 512 x 256 runs the parallel loops in the parent first."""
+    whose guards know whether numba's thread pool survived the fork (after a parallel kernel under GNU OpenMP it
+    did not: numba would terminate the child). 512 x 256 splits the nodes' kernels over torch's threads in the
+    parent first."""
     torch.manual_seed(0)
     x = torch.randn(512, 256, requires_grad=True)
     modules = (gnn.Hardswish(), gnn.LayerNorm(256))

@@ -19,6 +19,7 @@ from numba import types
 from ._host import c_function
 from ._reduce import fold_partials
 from ._views import F32, STORAGE, view1, view2
+from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _sparse_rows
 from .hardswish import _hardswish_backward_chunk, _hardswish_chunk
 from .layer_norm import _backward_block, _layer_norm_row
 
@@ -82,3 +83,53 @@ def layer_norm(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.d
     return (c_function(types.void(_I64, _I64, _I64, types.float64, _I64, _I64, _I64, _I64, _I64), forward).address,
             c_function(types.void(*([_I64] * 13)), backward).address,
             c_function(types.void(*([_I64] * 6)), fold).address)
+
+
+@functools.cache
+def embedding(dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The addresses of the embedding backward's pieces for a gradient / table of ``dtype`` (float32 / float16 /
+    bfloat16) and indices of ``index_dtype`` (int32 / int64), tensors contiguous by address: the Python path's
+    :func:`gradops.cpu.embedding.embedding_dense_backward` taken apart, so that the node runs the table's blocks on
+    torch's threads. Each returns -1, or the first position whose index lies outside ``[0, v)`` (then the table is
+    not what the op returns, and the node hands the call to the op, which raises its OpError).
+
+    - ``check(idx, n, v)`` (CheckFn): the range test alone (the forward's, before ATen's row gather).
+    - ``sort(idx, n, v, offsets, order)`` (SortFn): the counting sort (int64 ``offsets`` (v + 1), ``order`` (n)),
+      for n >= v.
+    - ``blocks(grad, offsets, order, padding, scale, out, n, e, v, c0, c1)`` (BlocksFn): table row blocks
+      ``c0 <= c < c1`` of ``ceil(v / ROWS)`` from the sort (returns -1).
+    - ``sparse(grad, idx, padding, scale, out, n, e, v)`` (SparseFn): for n < v, the touched rows of a table the
+      node zeroed."""
+    storage, index_storage = STORAGE[dtype], STORAGE[index_dtype]
+    i64 = np.dtype(np.int64)
+
+    def check(idx_at, n, v):  # pragma: no cover - compiled
+        return _first_outside(view1(idx_at, index_storage, n), v)
+
+    def sort(idx_at, n, v, offsets_at, order_at):  # pragma: no cover - compiled
+        return _counting_sort(view1(idx_at, index_storage, n), v, view1(offsets_at, i64, v + 1),
+                              view1(order_at, i64, n))
+
+    def blocks(grad_at, offsets_at, order_at, padding, scale, out_at, n, e, v, c0, c1):  # pragma: no cover
+        grad, out = view2(grad_at, storage, n, e), view2(out_at, storage, v, e)
+        offsets, order = view1(offsets_at, i64, v + 1), view1(order_at, i64, n)
+        acc = np.empty(e, dtype=np.float32)
+        for c in range(c0, c1):
+            _gather_block(grad, offsets, order, padding, scale != 0, out, c, acc)
+        return -1
+
+    def sparse(grad_at, idx_at, padding, scale, out_at, n, e, v):  # pragma: no cover - compiled
+        idx = view1(idx_at, index_storage, n)
+        bad = _first_outside(idx, v)
+        if bad < 0:
+            _sparse_rows(view2(grad_at, storage, n, e), idx, padding, scale != 0, view2(out_at, storage, v, e))
+        return bad
+
+    return (c_function(_I64(_I64, _I64, _I64), check).address,
+            c_function(_I64(_I64, _I64, _I64, _I64, _I64), sort).address,
+            c_function(_I64(*([_I64] * 11)), blocks).address,
+            c_function(_I64(*([_I64] * 8)), sparse).address)
+
+
+#: Table rows per block of :func:`embedding`'s ``blocks`` (the Python path's parallel task).
+EMBEDDING_ROWS = _ROWS

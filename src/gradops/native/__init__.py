@@ -35,7 +35,7 @@ _why: str = "not loaded yet"
 _tried = False
 _switched_off = False
 #: op -> the extension's constant naming it to ``set_differentiable``.
-_OPS = {"hardswish": "HARDSWISH", "layer_norm": "LAYER_NORM"}
+_OPS = {"hardswish": "HARDSWISH", "layer_norm": "LAYER_NORM", "embedding": "EMBEDDING"}
 _registered: set[str] = set()
 
 
@@ -123,16 +123,19 @@ def module() -> ModuleType | None:
         _why = f"loading {library} failed: {type(err).__name__}: {err}"
         return None
     loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
+    from ..cpu import _pool  # no numba: the recycling pool the Python path's outputs come from
+
+    loaded.set_pool(_pool.empty)
     _module, _why = loaded, "loaded"
     return _module
 
 
 def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
-    """The extension's function for ``op`` (``hardswish``, ``layer_norm``), or None when the native nodes cannot run
-    here: not loaded, or a child forked after numba's GNU OpenMP pool ran (see
-    :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs,
-    extra)`` is the op's Python backward, for the backwards the kernels do not run (``create_graph=True``, a forked
-    child, a gradient that is not a plain tensor: see autograd.cpp), registered with the extension on first use."""
+    """The extension's function for ``op`` (``hardswish``, ``layer_norm``, ``embedding``), or None when the native
+    nodes cannot run here: not loaded, or a child forked after numba's GNU OpenMP pool ran (see
+    :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs, extra)`` is the op's Python backward, for
+    the backwards the kernels do not run (``create_graph=True``, a forked child, a gradient that is not a plain
+    tensor: see autograd.cpp), registered with the extension on first use."""
     ext = module()
     if ext is None:
         return None

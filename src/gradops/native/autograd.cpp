@@ -26,6 +26,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -55,8 +56,10 @@ inline int64_t addr(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_p
 // Items below which a kernel runs on the calling thread: gradops.cpu._host.PARALLEL_MIN (tests/test_native.py checks
 // they agree), about the work where a parallel region pays for itself.
 constexpr int64_t kParallelMin = 1 << 15;
-// Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS (checked by the same test).
+// Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS; table rows per block of the embedding
+// backward: gradops.cpu.c_abi.EMBEDDING_ROWS (checked by the same test).
 constexpr int64_t kRowBlocks = 64;
+constexpr int64_t kTableRows = 64;
 
 // A node's kernels, addresses in the order gradops.cpu.c_abi returns them.
 using Kernels = std::vector<int64_t>;
@@ -78,8 +81,15 @@ using LayerNormFn = void (*)(int64_t x, int64_t gamma, int64_t beta, double eps,
 using LayerNormBlocksFn = void (*)(int64_t dy, int64_t x, int64_t mean, int64_t rstd, int64_t gamma, int64_t dx,
                                    int64_t pg, int64_t pb, int64_t m, int64_t n, int64_t blocks, int64_t b0, int64_t b1);
 using FoldFn = void (*)(int64_t pg, int64_t pb, int64_t dgamma, int64_t dbeta, int64_t blocks, int64_t n);
+// The embedding's pieces return -1, or the first position of an index outside the table.
+using CheckFn = int64_t (*)(int64_t idx, int64_t n, int64_t v);
+using SortFn = int64_t (*)(int64_t idx, int64_t n, int64_t v, int64_t offsets, int64_t order);
+using TableBlocksFn = int64_t (*)(int64_t grad, int64_t offsets, int64_t order, int64_t padding, int64_t scale,
+                                  int64_t out, int64_t n, int64_t e, int64_t v, int64_t c0, int64_t c1);
+using SparseFn = int64_t (*)(int64_t grad, int64_t idx, int64_t padding, int64_t scale, int64_t out, int64_t n,
+                             int64_t e, int64_t v);
 
-enum Op { kHardswish = 0, kLayerNorm = 1, kOps = 2 };
+enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
 
 // Set in a child of fork(). A graph recorded before the fork may run its backward there, and the kernels' thread
 // pool may not survive the fork (GNU OpenMP: numba terminates the process at its next parallel launch), which only
@@ -101,19 +111,37 @@ bool plain(const Tensor& t) {
 // The Python formula of each op's backward (create_graph=True, a forked child, a gradient that is not plain); set
 // once by gradops.native.
 // Leaked on purpose: a static py::object would be released after the interpreter is gone.
-py::object* differentiable[kOps] = {nullptr, nullptr};
+py::object* differentiable[kOps] = {nullptr, nullptr, nullptr};
 
-// ``extra``: a number the formula needs besides tensors (LayerNorm's eps). Every Python object is made and released
-// inside, under the GIL, which the engine does not hold while it runs a backward.
-variable_list python_backward(Op op, const variable_list& args, double extra) {
+// ``extra``: what the formula needs besides tensors (LayerNorm's eps; the embedding's table rows, padding row and
+// scaling), anything pybind11 casts. Every Python object is made and released inside, under the GIL, which the
+// engine does not hold while it runs a backward.
+template <class Extra>
+variable_list python_backward(Op op, const variable_list& args, const Extra& extra) {
   py::gil_scoped_acquire gil;
   TORCH_CHECK(differentiable[op] != nullptr, "gradops.native: no differentiable backward registered");
   py::list inputs;
   for (const Tensor& t : args) inputs.append(py::cast(t));
-  py::sequence result = (*differentiable[op])(inputs, py::float_(extra));
+  py::sequence result = (*differentiable[op])(inputs, py::cast(extra));
   variable_list grads;
   for (py::handle item : result) grads.push_back(item.is_none() ? Tensor() : item.cast<Tensor>());
   return grads;
+}
+
+// gradops.cpu._pool.empty(shape, dtype), set once by gradops.native (leaked, as above).
+py::object* pool_empty = nullptr;
+// gradops.cpu._pool.MIN_BYTES: below it malloc serves from memory already mapped, and a Python call would cost more.
+constexpr int64_t kPoolMin = 1 << 20;
+
+// A contiguous output, as the Python path allocates it: from gradops' pool of recycled blocks from 1 MiB on (no
+// first-touch page fault per 4 KiB: a fresh 64 MiB embedding table costs ~15 ms of faults on the CI VM, more than
+// the backward itself), else at::empty. The pool is Python: one call under the GIL, ~5 µs against >= 1 MiB of work.
+Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
+  if (bytes < kPoolMin || pool_empty == nullptr) return at::empty(sizes, options);
+  py::gil_scoped_acquire gil;
+  py::handle dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(options.dtype().toScalarType())));
+  return (*pool_empty)(py::cast(sizes.vec()), dtype).cast<Tensor>();
 }
 
 }  // namespace
@@ -161,7 +189,7 @@ struct HardswishBackward : public torch::autograd::Node {
       return {python_backward(kHardswish, {grads[0], x}, 0.0)[0]};
     }
     Tensor g = grads[0].contiguous();
-    Tensor dx = at::empty_like(x);
+    Tensor dx = output(x.sizes(), x.options());
     const int64_t size = x.element_size();
     split(x.numel(), [&](int64_t lo, int64_t hi) {
       kernel_(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
@@ -172,7 +200,7 @@ struct HardswishBackward : public torch::autograd::Node {
 
 // Hardswish of a contiguous x, recorded when x requires grad (the caller checked grad mode: see recordable).
 Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
-  Tensor y = at::empty_like(x);
+  Tensor y = output(x.sizes(), x.options());
   const int64_t size = x.element_size();
   split(x.numel(), [&](int64_t lo, int64_t hi) {
     reinterpret_cast<ElementwiseFn>(kernels[0])(addr(x) + lo * size, addr(y) + lo * size, hi - lo);
@@ -217,7 +245,7 @@ struct LayerNormBackward : public torch::autograd::Node {
     // rstd as the Python path computes it (float32 var + a wrapped double scalar, then rsqrt): the same bits.
     Tensor rstd = at::rsqrt(var + eps_);
     Tensor dy = grads[0].contiguous();
-    Tensor dx = at::empty_like(x);
+    Tensor dx = output(x.sizes(), x.options());
     at::TensorOptions f32 = x.options().dtype(at::kFloat);
     Tensor dgamma = at::empty(gamma.sizes(), f32);
     Tensor dbeta = at::empty(gamma.sizes(), f32);
@@ -238,7 +266,7 @@ struct LayerNormBackward : public torch::autograd::Node {
 Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, const Kernels& kernels) {
   const int64_t n = x.size(-1);
   const int64_t m = x.numel() / n;
-  Tensor y = at::empty_like(x);
+  Tensor y = output(x.sizes(), x.options());
   at::TensorOptions f32 = x.options().dtype(at::kFloat);
   Tensor mean = at::empty({m}, f32);
   Tensor var = at::empty({m}, f32);
@@ -260,6 +288,80 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     node->blocks_ = reinterpret_cast<LayerNormBlocksFn>(kernels[1]);
     node->fold_ = reinterpret_cast<FoldFn>(kernels[2]);
     record(ref, y, x, gamma, beta);
+  }
+  return y;
+}
+
+// The embedding lookup, weight (V, E) rows at the indices; backward aclnnEmbeddingDenseBackward into a new table.
+struct EmbeddingBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable indices_;
+  int64_t num_weights_ = 0, padding_ = -1;
+  bool scale_ = false;
+  SortFn sort_ = nullptr;
+  TableBlocksFn blocks_ = nullptr;
+  SparseFn sparse_ = nullptr;
+
+  std::string name() const override { return "gradops_native::EmbeddingBackward"; }
+  void release_variables() override { indices_.reset_data(); }
+
+  variable_list python(const Tensor& grad, const Tensor& idx) {
+    return {python_backward(kEmbedding, {grad, idx}, std::make_tuple(num_weights_, padding_, scale_))[0]};
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    Tensor idx = indices_.unpack(getptr());
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0])) return python(grads[0], idx);
+    const int64_t n = idx.numel(), v = num_weights_, e = grads[0].size(-1);
+    Tensor grad = grads[0].contiguous();
+    Tensor table = output({v, e}, grad.options());
+    int64_t bad;
+    if (n < v) {  // few indices in a large table: zero it (torch's parallel fill), then the touched rows
+      table.zero_();
+      bad = sparse_(addr(grad), addr(idx), padding_, scale_, addr(table), n, e, v);
+    } else {  // the counting sort, then every row of the table once, in fixed blocks of rows
+      at::TensorOptions i64 = idx.options().dtype(at::kLong);
+      Tensor offsets = at::empty({v + 1}, i64);
+      Tensor order = at::empty({n}, i64);
+      bad = sort_(addr(idx), n, v, addr(offsets), addr(order));
+      if (bad < 0 && v > 0 && e > 0) {
+        const int64_t blocks = (v + kTableRows - 1) / kTableRows;
+        at::parallel_for(0, blocks, v * e < kParallelMin ? blocks : 1, [&](int64_t c0, int64_t c1) {
+          blocks_(addr(grad), addr(offsets), addr(order), padding_, scale_, addr(table), n, e, v, c0, c1);
+        });
+      }
+    }
+    // An index outside the table: the saved indices were changed behind autograd's back (.data, numpy). The op
+    // raises its OpError for them.
+    if (bad >= 0) return python(grads[0], idx);
+    return {table};
+  }
+};
+
+// weight[indices] for contiguous weight (V, E) and int32 / int64 indices, recorded when weight requires grad; an
+// undefined tensor when an index lies outside the table (the caller's Python path raises the OpError).
+Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale,
+                      const Kernels& kernels) {
+  const int64_t n = indices.numel(), v = weight.size(0), e = weight.size(1);
+  if (reinterpret_cast<CheckFn>(kernels[0])(addr(indices), n, v) >= 0) return Tensor();
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
+  shape.push_back(e);
+  Tensor y = output(shape, weight.options());
+  {
+    at::NoGradGuard no_grad;  // ATen's gather, as the Python path's index_select: recorded here, not by ATen
+    Tensor rows = y.view({n, e});
+    at::index_select_out(rows, weight, 0, indices.view({n}));
+  }
+  if (at::GradMode::is_enabled() && weight.requires_grad()) {
+    NodeRef ref = make_node<EmbeddingBackward>();
+    auto* node = static_cast<EmbeddingBackward*>(ref.get());
+    node->indices_ = torch::autograd::SavedVariable(indices, false);
+    node->num_weights_ = v;
+    node->padding_ = padding;
+    node->scale_ = scale;
+    node->sort_ = reinterpret_cast<SortFn>(kernels[1]);
+    node->blocks_ = reinterpret_cast<TableBlocksFn>(kernels[2]);
+    node->sparse_ = reinterpret_cast<SparseFn>(kernels[3]);
+    record(ref, y, weight);
   }
   return y;
 }
@@ -348,14 +450,15 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 }
 
 // The number of kernels each op's node calls (gradops.cpu.c_abi): a node indexes them unchecked.
-constexpr size_t kKernelCount[kOps] = {2, 3};
+constexpr size_t kKernelCount[kOps] = {2, 3, 4};
 
 void check_kernels(Op op, const Kernels& kernels) {
   TORCH_CHECK(kernels.size() == kKernelCount[op], "gradops.native: op ", static_cast<int>(op), " takes ",
               kKernelCount[op], " kernel addresses, got ", kernels.size());
 }
 
-void remember(int64_t op, std::vector<Tensor> tensors, double scalar, Kernels kernels) {
+// ``ints``: the op's integer arguments (the embedding's padding row and scaling), part of the key after the tensors.
+void remember(int64_t op, std::vector<Tensor> tensors, double scalar, Kernels kernels, std::vector<int64_t> ints) {
   TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
   check_kernels(static_cast<Op>(op), kernels);
   Plan plan{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET"),
@@ -363,6 +466,7 @@ void remember(int64_t op, std::vector<Tensor> tensors, double scalar, Kernels ke
   for (const Tensor& t : tensors) {
     if (!add_key(plan.key, t)) return;
   }
+  plan.key.insert(plan.key.end(), ints.begin(), ints.end());
   if (find_plan(static_cast<Op>(op), plan.key, scalar) != nullptr) return;
   if (plans[op].size() >= kPlanLimit) plans[op].clear();
   plans[op].push_back(std::move(plan));
@@ -395,6 +499,23 @@ py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, d
   return py::cast(gradops_native::layer_norm_node(tx, tg, tb, eps, plan->kernels));
 }
 
+py::object embedding_planned(py::handle weight, py::handle indices, int64_t padding, bool scale) {
+  if (forked || !recordable_handles(std::array<py::handle, 2>{weight, indices})) return py::none();
+  if (!THPVariable_Check(indices.ptr())) return py::none();
+  const Tensor& tw = THPVariable_Unpack(weight.ptr());
+  const Tensor& ti = THPVariable_Unpack(indices.ptr());
+  std::vector<int64_t> key;
+  if (!add_key(key, tw) || !add_key(key, ti)) return py::none();
+  key.push_back(padding);
+  key.push_back(scale);
+  const Plan* plan = find_plan(kEmbedding, key, 0.0);
+  if (plan == nullptr) return py::none();
+  Tensor y = gradops_native::embedding_node(tw, ti, padding, scale, plan->kernels);
+  return y.defined() ? py::cast(y) : py::none();
+}
+
+void set_pool(py::object empty) { pool_empty = new py::object(std::move(empty)); }
+
 void set_plain_types(py::handle tensor, py::handle parameter) {
   plain_types[0] = reinterpret_cast<PyTypeObject*>(tensor.ptr());
   plain_types[1] = reinterpret_cast<PyTypeObject*>(parameter.ptr());
@@ -408,6 +529,12 @@ Tensor hardswish(const Tensor& x, Kernels kernels) {
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Kernels kernels) {
   check_kernels(kLayerNorm, kernels);
   return gradops_native::layer_norm_node(x, gamma, beta, eps, kernels);
+}
+
+py::object embedding(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale, Kernels kernels) {
+  check_kernels(kEmbedding, kernels);
+  Tensor y = gradops_native::embedding_node(weight, indices, padding, scale, kernels);
+  return y.defined() ? py::cast(y) : py::none();
 }
 
 void set_differentiable(int64_t op, py::object fn) {
@@ -424,13 +551,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
   m.attr("PARALLEL_MIN") = kParallelMin;
   m.attr("ROW_BLOCKS") = kRowBlocks;
+  m.attr("EMBEDDING") = static_cast<int64_t>(kEmbedding);
+  m.attr("TABLE_ROWS") = kTableRows;
   m.def("hardswish", &hardswish, "Hardswish on a contiguous x; backward aclnnHardswishBackward");
   m.def("layer_norm", &layer_norm, "LayerNorm y of a contiguous x (..., N); backward the fused LayerNorm backward");
+  m.def("embedding", &embedding, "weight[indices], contiguous; backward aclnnEmbeddingDenseBackward; None for an index "
+        "outside the table");
   m.def("set_differentiable", &set_differentiable, "the Python backward of op for create_graph=True");
   m.def("recordable", &recordable, "whether a call on these arguments is eager, recorded, on plain tensors");
   m.def("set_plain_types", &set_plain_types, "torch.Tensor and torch.nn.Parameter (kept alive by torch)");
+  m.def("set_pool", &set_pool, "gradops.cpu._pool.empty, for outputs of 1 MiB and more");
   m.def("remember", &remember, "the native node's kernels for calls with these tensors' metadata and scalar");
   m.def("forget", &forget, "drop every remembered plan");
   m.def("hardswish_planned", &hardswish_planned, "the recorded Hardswish on a remembered plan, or None");
   m.def("layer_norm_planned", &layer_norm_planned, "the recorded LayerNorm y on a remembered plan, or None");
+  m.def("embedding_planned", &embedding_planned, "the recorded embedding lookup on a remembered plan, or None");
 }

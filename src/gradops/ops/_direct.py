@@ -119,12 +119,14 @@ def python_allows_native() -> bool:
     return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling()
 
 
-def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...], scalar: float | None = None
-                ) -> Tensor | None:
-    """The recorded call of ``op`` (``hardswish``, ``layer_norm``) on its native autograd node (:mod:`gradops.native`:
-    the same kernels and bits as the Python Function, no Python in the backward), or None when it cannot take one:
-    not an eager recorded call on plain tensors, no node in ``planner``'s plan (another backend, the extension not
-    loaded, an empty input), or a tensor not contiguous. ``tensors`` (then ``scalar``) are the op's arguments.
+def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...], scalar: float | None = None,
+                ints: tuple[int, ...] = ()) -> Tensor | None:
+    """The recorded call of ``op`` (``hardswish``, ``layer_norm``, ``embedding``) on its native autograd node
+    (:mod:`gradops.native`: the same kernels and bits as the Python Function, no Python in the backward), or None
+    when it cannot take one: not an eager recorded call on plain tensors, no node in ``planner``'s plan (another
+    backend, the extension not loaded, an empty input, dtypes without a node), a tensor not contiguous, or a value
+    the node leaves to the op to refuse (an index outside the table). ``tensors`` (then ``scalar``, then ``ints``)
+    are the op's arguments.
 
     A call whose plan the extension remembers is one C++ call after :func:`python_allows_native`; the first call of
     each argument metadata runs the Python call plan (validation, backend) and hands its answer to the extension.
@@ -134,7 +136,7 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
     ext = native.module()
     if ext is None:
         return None
-    extra = () if scalar is None else (scalar,)
+    extra = (*(() if scalar is None else (scalar,)), *ints)
     result = getattr(ext, f"{op}_planned")(*tensors, *extra)
     if result is not None or not ext.recordable(*tensors):
         return result
@@ -142,7 +144,8 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
     if entry is None or not all(t.is_contiguous() for t in tensors):
         return None
     node, kernels = entry
-    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, kernels)
+    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, kernels,
+                 [int(i) for i in ints])
     return node(*tensors, *extra, kernels)
 
 

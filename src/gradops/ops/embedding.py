@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import native
 from ..contract import embedding as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
-from ._direct import BODY, DirectOp, eager_path, fit, own
+from ._direct import BODY, DirectOp, eager_path, fit, native_call, own
 from ._out import check_out, run_into
 from ._plan import Planner
 
@@ -189,6 +190,48 @@ def _embedding_dense_backward_backward(ctx, v):
 
 _embedding_dense_backward.register_autograd(_embedding_dense_backward_backward,
                                             setup_context=_embedding_dense_backward_setup)
+
+
+# ------------------------------------------------- the native node: eager recorded lookups on CPU (gradops.native)
+
+_NATIVE_VALUES = (torch.float32, torch.float16, torch.bfloat16)
+#: Indices the kernels read as they are; the other seven dtypes get CANN's conversion in Python first.
+_NATIVE_INDICES = (torch.int32, torch.int64)
+
+
+def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool):
+    """The native Embedding node and its kernels' addresses for these dtypes, or None (see :mod:`gradops.native`)."""
+    if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
+        return None
+    node = native.node("embedding", _differentiable_backward)
+    if node is None:
+        return None
+    from ..cpu import c_abi
+
+    return node, list(c_abi.embedding(weight.dtype, indices.dtype))
+
+
+# The lookup's plan for the node: its check, and the backend of the backward the node runs (float64 weight: none).
+plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry)
+
+
+def _differentiable_backward(inputs: list[Tensor], extra: tuple[int, int, bool]) -> tuple[Tensor]:
+    """The native node's backward where it does not run its kernels itself (``create_graph=True``, a forked child, a
+    gradient that is not plain, an index changed behind autograd's back: see autograd.cpp): the op, which records
+    a second derivative, dispatches what is not plain and refuses an index outside the table."""
+    grad, indices = inputs
+    num_weights, padding_idx, scale_grad_by_freq = extra
+    return (_embedding_dense_backward(grad.reshape(-1, grad.shape[-1]), indices.reshape(-1), num_weights,
+                                      padding_idx, scale_grad_by_freq),)
+
+
+def _native(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor | None:
+    if type(padding_idx) is not int or type(scale_grad_by_freq) is not bool:  # the op's to refuse
+        return None
+    return native_call("embedding", plan_embedding, (weight, indices), ints=(padding_idx, scale_grad_by_freq))
+
+
+_embedding.native = _native
 
 
 def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
