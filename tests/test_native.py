@@ -239,8 +239,10 @@ def test_saved_tensor_hooks_and_version_check():
 # ---------------------------------------------------------------- Embedding
 # (indices, table rows): fewer indices than rows (the sorting path: the table zeroed, the touched rows written), more
 # (the counting sort, every row in fixed blocks), 4096 x 64 = 256 Ki table items (blocks split over the threads),
-# 3-D indices, repeats of a few rows (row sums of several gradient rows), no index at all.
-EMBEDDING_CASES = [((4, 7), 100), ((300,), 100), ((2, 3, 5), 16), ((5000,), 4096), ((64,), 3), ((0,), 10)]
+# 600 x 64 gradient items above the parallel threshold on the sorting path (runs split over the threads), 3-D
+# indices, repeats of a few rows (row sums of several gradient rows), no index at all.
+EMBEDDING_CASES = [((4, 7), 100), ((300,), 100), ((2, 3, 5), 16), ((5000,), 4096), ((600,), 4096), ((64,), 3),
+                   ((0,), 10)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -258,6 +260,30 @@ def test_embedding_node_matches_python_path(shape, rows, index_dtype, dtype, opt
     w = torch.randn(*shape, module.embedding_dim).to(dtype)
     name, _, ours, python = _both(module, indices, lambda y: (y * w).sum())
     assert name == "gradops_native::EmbeddingBackward"
+    _same(ours, python)
+
+
+@pytest.mark.parametrize("count", [1000, 6000], ids=["sorting", "counting-sort"])
+def test_embedding_same_bits_on_any_number_of_threads(count):
+    """Runs of one index far longer than a thread's share (8 distinct rows): on the sorting path a run belongs to
+    the piece holding its first sorted position and is summed whole there, so 1 and 2 threads give the same bits;
+    the counting sort's fixed row blocks likewise."""
+    torch.manual_seed(0)
+    module = gnn.Embedding(4096 if count < 4096 else 1024, 64)
+    indices = torch.randint(0, 8, (count,))
+    w = torch.randn(count, 64)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            name, y, grads = _step(module, indices, lambda y: (y * w).sum())
+            assert name == "gradops_native::EmbeddingBackward"
+            results.append([y, *grads])
+    finally:
+        torch.set_num_threads(before)
+    _same(*results)
+    _, _, ours, python = _both(module, indices, lambda y: (y * w).sum())
     _same(ours, python)
 
 

@@ -19,7 +19,7 @@ from numba import types
 from ._host import c_function
 from ._reduce import fold_partials
 from ._views import F32, STORAGE, view1, view2
-from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _sparse_rows
+from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _sparse_segments
 from .hardswish import _hardswish_backward_chunk, _hardswish_chunk
 from .layer_norm import _backward_block, _layer_norm_row
 
@@ -86,7 +86,7 @@ def layer_norm(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.d
 
 
 @functools.cache
-def embedding(dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, int, int]:
+def embedding(dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """The addresses of the embedding backward's pieces for a gradient / table of ``dtype`` (float32 / float16 /
     bfloat16) and indices of ``index_dtype`` (int32 / int64), tensors contiguous by address: the Python path's
     :func:`gradops.cpu.embedding.embedding_dense_backward` taken apart, so that the node runs the table's blocks on
@@ -98,8 +98,10 @@ def embedding(dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, i
       for n >= v.
     - ``blocks(grad, offsets, order, padding, scale, out, n, e, v, c0, c1)`` (BlocksFn): table row blocks
       ``c0 <= c < c1`` of ``ceil(v / ROWS)`` from the sort (returns -1).
-    - ``sparse(grad, idx, padding, scale, out, n, e, v)`` (SparseFn): for n < v, the touched rows of a table the
-      node zeroed."""
+    - ``sparse_order(idx, n, v, order)`` (CheckFn's test, then the positions sorted by index into int64 ``order``
+      (n), stably) and ``sparse_rows(grad, idx, order, padding, scale, out, n, e, v, p0, p1)`` (SegmentsFn, returns
+      -1): for n < v, the touched rows of a table the node zeroed - each run of equal indices whose first sorted
+      position lies in ``[p0, p1)``."""
     storage, index_storage = STORAGE[dtype], STORAGE[index_dtype]
     i64 = np.dtype(np.int64)
 
@@ -118,17 +120,23 @@ def embedding(dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, i
             _gather_block(grad, offsets, order, padding, scale != 0, out, c, acc)
         return -1
 
-    def sparse(grad_at, idx_at, padding, scale, out_at, n, e, v):  # pragma: no cover - compiled
+    def sparse_order(idx_at, n, v, order_at):  # pragma: no cover - compiled
         idx = view1(idx_at, index_storage, n)
         bad = _first_outside(idx, v)
         if bad < 0:
-            _sparse_rows(view2(grad_at, storage, n, e), idx, padding, scale != 0, view2(out_at, storage, v, e))
+            view1(order_at, i64, n)[:] = np.argsort(idx, kind="mergesort")
         return bad
+
+    def sparse_rows(grad_at, idx_at, order_at, padding, scale, out_at, n, e, v, p0, p1):  # pragma: no cover
+        _sparse_segments(view2(grad_at, storage, n, e), view1(idx_at, index_storage, n), view1(order_at, i64, n),
+                         padding, scale != 0, view2(out_at, storage, v, e), p0, p1, np.empty(e, dtype=np.float32))
+        return -1
 
     return (c_function(_I64(_I64, _I64, _I64), check).address,
             c_function(_I64(_I64, _I64, _I64, _I64, _I64), sort).address,
             c_function(_I64(*([_I64] * 11)), blocks).address,
-            c_function(_I64(*([_I64] * 8)), sparse).address)
+            c_function(_I64(_I64, _I64, _I64, _I64), sparse_order).address,
+            c_function(_I64(*([_I64] * 11)), sparse_rows).address)
 
 
 #: Table rows per block of :func:`embedding`'s ``blocks`` (the Python path's parallel task).

@@ -144,12 +144,20 @@ def _sparse(grad, idx, num_weights, padding_idx, scale, out):  # pragma: no cove
 @njit(cache=True)
 def _sparse_rows(grad, idx, padding_idx, scale, out):  # pragma: no cover - compiled
     """:func:`_sparse` after the zero fill: the touched rows, each the sum of its gradient rows in increasing i."""
-    n = idx.shape[0]
-    e = out.shape[1]
     order = np.argsort(idx, kind="mergesort")
-    acc = np.empty(e, dtype=np.float32)
-    lo = 0
-    while lo < n:
+    _sparse_segments(grad, idx, order, padding_idx, scale, out, 0, idx.shape[0],
+                     np.empty(out.shape[1], dtype=np.float32))
+
+
+@njit(cache=True)
+def _sparse_segments(grad, idx, order, padding_idx, scale, out, p0, p1, acc):  # pragma: no cover - compiled
+    """The rows whose run of equal indices in ``order`` (sorted positions) starts at a position in ``[p0, p1)``: a
+    run belongs to the piece holding its first position, so pieces write disjoint rows, each summed as a whole."""
+    n = idx.shape[0]
+    lo = p0
+    while 0 < lo < n and idx[order[lo]] == idx[order[lo - 1]]:  # the rest of a run that started before p0
+        lo += 1
+    while lo < p1:
         k = idx[order[lo]]
         hi = lo + 1
         while hi < n and idx[order[hi]] == k:

@@ -86,8 +86,9 @@ using CheckFn = int64_t (*)(int64_t idx, int64_t n, int64_t v);
 using SortFn = int64_t (*)(int64_t idx, int64_t n, int64_t v, int64_t offsets, int64_t order);
 using TableBlocksFn = int64_t (*)(int64_t grad, int64_t offsets, int64_t order, int64_t padding, int64_t scale,
                                   int64_t out, int64_t n, int64_t e, int64_t v, int64_t c0, int64_t c1);
-using SparseFn = int64_t (*)(int64_t grad, int64_t idx, int64_t padding, int64_t scale, int64_t out, int64_t n,
-                             int64_t e, int64_t v);
+using OrderFn = int64_t (*)(int64_t idx, int64_t n, int64_t v, int64_t order);
+using SegmentsFn = int64_t (*)(int64_t grad, int64_t idx, int64_t order, int64_t padding, int64_t scale, int64_t out,
+                               int64_t n, int64_t e, int64_t v, int64_t p0, int64_t p1);
 
 enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
 
@@ -299,7 +300,8 @@ struct EmbeddingBackward : public torch::autograd::Node {
   bool scale_ = false;
   SortFn sort_ = nullptr;
   TableBlocksFn blocks_ = nullptr;
-  SparseFn sparse_ = nullptr;
+  OrderFn sparse_order_ = nullptr;
+  SegmentsFn sparse_rows_ = nullptr;
 
   std::string name() const override { return "gradops_native::EmbeddingBackward"; }
   void release_variables() override { indices_.reset_data(); }
@@ -315,11 +317,19 @@ struct EmbeddingBackward : public torch::autograd::Node {
     Tensor grad = grads[0].contiguous();
     Tensor table = output({v, e}, grad.options());
     int64_t bad;
+    at::TensorOptions i64 = idx.options().dtype(at::kLong);
     if (n < v) {  // few indices in a large table: zero it (torch's parallel fill), then the touched rows
       table.zero_();
-      bad = sparse_(addr(grad), addr(idx), padding_, scale_, addr(table), n, e, v);
+      Tensor order = at::empty({n}, i64);
+      bad = sparse_order_(addr(idx), n, v, addr(order));
+      if (bad < 0 && e > 0) {  // runs of equal indices split over the threads by their first sorted position
+        at::parallel_for(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, kParallelMin / e),
+                         [&](int64_t p0, int64_t p1) {
+                           sparse_rows_(addr(grad), addr(idx), addr(order), padding_, scale_, addr(table), n, e, v,
+                                        p0, p1);
+                         });
+      }
     } else {  // the counting sort, then every row of the table once, in fixed blocks of rows
-      at::TensorOptions i64 = idx.options().dtype(at::kLong);
       Tensor offsets = at::empty({v + 1}, i64);
       Tensor order = at::empty({n}, i64);
       bad = sort_(addr(idx), n, v, addr(offsets), addr(order));
@@ -360,7 +370,8 @@ Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t paddi
     node->scale_ = scale;
     node->sort_ = reinterpret_cast<SortFn>(kernels[1]);
     node->blocks_ = reinterpret_cast<TableBlocksFn>(kernels[2]);
-    node->sparse_ = reinterpret_cast<SparseFn>(kernels[3]);
+    node->sparse_order_ = reinterpret_cast<OrderFn>(kernels[3]);
+    node->sparse_rows_ = reinterpret_cast<SegmentsFn>(kernels[4]);
     record(ref, y, weight);
   }
   return y;
@@ -450,7 +461,7 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 }
 
 // The number of kernels each op's node calls (gradops.cpu.c_abi): a node indexes them unchecked.
-constexpr size_t kKernelCount[kOps] = {2, 3, 4};
+constexpr size_t kKernelCount[kOps] = {2, 3, 5};
 
 void check_kernels(Op op, const Kernels& kernels) {
   TORCH_CHECK(kernels.size() == kKernelCount[op], "gradops.native: op ", static_cast<int>(op), " takes ",
