@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -73,15 +74,17 @@ def scratch(workspace: Tensor | None, nbytes: int, offset: int, dtype: np.dtype,
 
 
 # ---------------------------------------------------------------- fork safety
-#: True in a child forked after this process ran a parallel kernel on numba's GNU-OpenMP pool: GNU OpenMP does
-#: not survive fork, and numba terminates the child at its next parallel launch ("fork() called from a process
-#: already using GNU OpenMP"). In such a child (a fork-started DataLoader worker, a multiprocessing pool)
+#: True in a child forked after this process ran a parallel kernel on numba's GNU-OpenMP pool, or (once
+#: gradops.native is loaded, when numba's regions run on torch's OpenMP runtime) may have run torch's: GNU OpenMP
+#: does not survive fork; numba terminates the child at its next parallel launch ("fork() called from a process
+#: already using GNU OpenMP") or, on torch's runtime, the region hangs. In such a child (a fork-started DataLoader worker, a multiprocessing pool)
 #: ``GRADOPS_BACKEND=auto`` computes with the pure-torch reference (same results, reference speed), and naming
 #: ``cpu`` raises (gradops.backend.usable).
 _forked_omp_child = False
 
-FORKED_WHY = ("this process was forked after the compiled CPU kernels ran on GNU OpenMP, which does not survive "
-              "fork (start workers with 'spawn', or use GRADOPS_BACKEND=auto to compute with the reference here)")
+FORKED_WHY = ("this process was forked after the compiled CPU kernels (or torch's, sharing the runtime with them "
+              "once gradops.native is loaded) ran on GNU OpenMP, which does not survive fork (start workers with "
+              "'spawn', or use GRADOPS_BACKEND=auto to compute with the reference here)")
 
 
 def forked_omp_child() -> bool:
@@ -89,11 +92,23 @@ def forked_omp_child() -> bool:
     return _forked_omp_child
 
 
+def _shares_torch_openmp() -> bool:
+    """Whether numba's OpenMP layer runs on torch's GNU OpenMP runtime: once gradops.native's extension (built with
+    -fopenmp against the runtime torch loaded) is loaded, that one runtime serves numba's parallel regions too, so
+    torch's own regions in the parent count as well."""
+    native = sys.modules.get("gradops.native")
+    return native is not None and getattr(native, "_module", None) is not None
+
+
 def _after_fork_in_child() -> None:
     global _forked_omp_child, _launch_lock
     if _launch_lock is not None:  # another thread may have held it at the fork: the child's copy would never open
         _launch_lock = threading.Lock()
-    if getattr(_parallel, "_is_initialized", False) and _parallel.threading_layer() == "omp":
+    if getattr(_parallel, "_is_initialized", False):
+        omp = _parallel.threading_layer() == "omp"
+    else:  # numba's pool never started here; with the shared runtime torch's regions may have run in the parent
+        omp = _shares_torch_openmp() and torch._C.has_openmp
+    if omp:
         _forked_omp_child = True
 
 

@@ -125,7 +125,7 @@ def module() -> ModuleType | None:
     loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
     from ..cpu import _pool  # no numba: the recycling pool the Python path's outputs come from
 
-    loaded.set_pool(_pool.empty)
+    _pool.use_native(loaded)
     _module, _why = loaded, "loaded"
     return _module
 
@@ -147,6 +147,18 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
         ext.set_differentiable(getattr(ext, _OPS[op]), differentiable)
         _registered.add(op)
     return getattr(ext, op)
+
+
+def function(name: str) -> Callable | None:
+    """The extension's function ``name`` for the public functions' eager calls (``hardswish_forward``,
+    ``hardswish_backward``: the kernels' pieces on torch's threads, no autograd), or None where :func:`node` would
+    be None (not loaded, a forked child of numba's GNU OpenMP)."""
+    ext = module()
+    if ext is None:
+        return None
+    from ..cpu._host import native_launch_ok
+
+    return getattr(ext, name) if native_launch_ok() else None
 
 
 def forget_plans() -> None:

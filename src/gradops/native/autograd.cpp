@@ -26,7 +26,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -38,11 +38,15 @@
 #include <pthread.h>
 
 #include <array>
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -64,13 +68,29 @@ constexpr int64_t kTableRows = 64;
 // A node's kernels, addresses in the order gradops.cpu.c_abi returns them.
 using Kernels = std::vector<int64_t>;
 
-// ``f(lo, hi)`` over [0, n) on torch's intra-op threads (at::parallel_for: the pool ATen's own kernels run on, so
-// gradops' kernels and torch's never compete for cores - a second OpenMP runtime's threads, spinning after their
-// region, would), in one piece below kParallelMin. Element i belongs to one piece whatever the thread count: the
-// kernels called here are elementwise or per row, so the result bits never depend on the split.
+// Set in a child of fork(). GNU OpenMP does not survive fork: there the nodes and functions run their kernels on the
+// calling thread (see parallel), and a graph recorded before the fork runs its backward through the Python formula,
+// whose guards know the state of numba's own pool (gradops.cpu._host).
+bool forked = false;
+
+// at::parallel_for(begin, end, grain, f): f over pieces of [begin, end) on torch's intra-op threads (the pool ATen's
+// own kernels run on, so gradops' kernels and torch's never compete for cores - a second OpenMP runtime's threads,
+// spinning after their region, would). In a child of fork() one piece on the calling thread: GNU OpenMP does not
+// survive fork, and a parallel region there hangs once the parent ran one (torch's own kernels included).
+template <class F>
+void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (forked) {
+    if (begin < end) f(begin, end);
+  } else {
+    at::parallel_for(begin, end, grain, f);
+  }
+}
+
+// ``f(lo, hi)`` over [0, n), in one piece below kParallelMin items. Element i belongs to one piece whatever the
+// thread count: the kernels called here are elementwise or per row, so the result bits never depend on the split.
 template <class F>
 void split(int64_t n, const F& f) {
-  at::parallel_for(0, n, kParallelMin, f);
+  parallel(0, n, kParallelMin, f);
 }
 
 // The kernels' C entry points (numba cfuncs), by signature.
@@ -92,10 +112,6 @@ using SegmentsFn = int64_t (*)(int64_t grad, int64_t idx, int64_t order, int64_t
 
 enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
 
-// Set in a child of fork(). A graph recorded before the fork may run its backward there, and the kernels' thread
-// pool may not survive the fork (GNU OpenMP: numba terminates the process at its next parallel launch), which only
-// the Python path's guards know: a forked child's backwards take the Python formula (gradops.cpu._host).
-bool forked = false;
 
 // Whether the kernels may read ``t`` by address: a dense CPU tensor with storage and no key that changes what its
 // memory means. An upstream gradient can be none of that: a legacy-vmap BatchedTensor (autograd.grad with
@@ -129,20 +145,99 @@ variable_list python_backward(Op op, const variable_list& args, const Extra& ext
   return grads;
 }
 
-// gradops.cpu._pool.empty(shape, dtype), set once by gradops.native (leaked, as above).
-py::object* pool_empty = nullptr;
-// gradops.cpu._pool.MIN_BYTES: below it malloc serves from memory already mapped, and a Python call would cost more.
-constexpr int64_t kPoolMin = 1 << 20;
+// ---- the output pool: gradops.cpu._pool's recycled blocks, kept here once the extension is loaded
+//
+// Every fresh CPU tensor of more than glibc's mmap threshold (up to 32 MiB) is a new mapping whose first write takes
+// a page fault per 4 KiB (a fresh 64 MiB embedding table: ~15 ms of faults on the CI VM, more than the backward).
+// The pool keeps the memory of outputs that died and hands it out again for the same size. In Python (numpy blocks,
+// a weakref finalizer per tensor) a pooled output costs ~10 µs; here a block is malloc'ed memory whose tensor's
+// deleter returns it to the free list: ~1 µs, and no GIL in a backward. Same rules as the Python pool: blocks of at
+// least 1 MiB (below, malloc serves from memory already mapped), at most GRADOPS_CPU_POOL_MB MiB of free blocks
+// (default 2048; read whenever a block dies or is asked for; 0 turns the pool off), exact sizes only.
+constexpr int64_t kPoolMin = 1 << 20;  // gradops.cpu._pool.MIN_BYTES
 
-// A contiguous output, as the Python path allocates it: from gradops' pool of recycled blocks from 1 MiB on (no
-// first-touch page fault per 4 KiB: a fresh 64 MiB embedding table costs ~15 ms of faults on the CI VM, more than
-// the backward itself), else at::empty. The pool is Python: one call under the GIL, ~5 µs against >= 1 MiB of work.
+struct BlockPool {
+  std::mutex lock;
+  std::unordered_map<int64_t, std::vector<void*>> free;
+  int64_t free_bytes = 0;
+};
+
+// Leaked on purpose: a tensor's deleter may run after static destructors at exit.
+BlockPool& block_pool() {
+  static BlockPool* pool = new BlockPool();
+  return *pool;
+}
+
+// GRADOPS_CPU_POOL_MB in bytes, as gradops.cpu._pool.limit_bytes reads it (not a number: 0).
+int64_t pool_limit() {
+  const char* text = std::getenv("GRADOPS_CPU_POOL_MB");
+  if (text == nullptr) return int64_t{2048} << 20;
+  char* end = nullptr;
+  const double mib = std::strtod(text, &end);
+  while (end != nullptr && std::isspace(static_cast<unsigned char>(*end))) ++end;
+  if (end == text || end == nullptr || *end != '\0' || !(mib > 0)) return 0;
+  return static_cast<int64_t>(mib * (1 << 20));
+}
+
+void release_block(void* block, int64_t bytes) {
+  BlockPool& pool = block_pool();
+  {
+    std::lock_guard<std::mutex> guard(pool.lock);
+    if (pool.free_bytes + bytes <= pool_limit()) {
+      pool.free[bytes].push_back(block);
+      pool.free_bytes += bytes;
+      return;
+    }
+  }
+  std::free(block);
+}
+
+// A contiguous CPU tensor: from the pool from 1 MiB on (a recycled block of the exact size, else a new one), else
+// at::empty. Its storage cannot be resized (as the Python pool's).
 Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
-  if (bytes < kPoolMin || pool_empty == nullptr) return at::empty(sizes, options);
-  py::gil_scoped_acquire gil;
-  py::handle dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(options.dtype().toScalarType())));
-  return (*pool_empty)(py::cast(sizes.vec()), dtype).cast<Tensor>();
+  if (bytes < kPoolMin || pool_limit() <= 0) return at::empty(sizes, options);
+  void* block = nullptr;
+  {
+    BlockPool& pool = block_pool();
+    std::lock_guard<std::mutex> guard(pool.lock);
+    auto hit = pool.free.find(bytes);
+    if (hit != pool.free.end() && !hit->second.empty()) {
+      block = hit->second.back();
+      hit->second.pop_back();
+      pool.free_bytes -= bytes;
+    }
+  }
+  if (block == nullptr) {
+    block = std::aligned_alloc(64, (bytes + 63) / 64 * 64);  // 64: c10's CPU alignment
+    TORCH_CHECK(block != nullptr, "gradops.native: could not allocate ", bytes, " bytes");
+  }
+  return at::from_blob(block, sizes, [bytes](void* data) { release_block(data, bytes); }, options);
+}
+
+// gradops.cpu._pool.empty's body once the extension is loaded.
+Tensor pool_empty(std::vector<int64_t> sizes, py::handle dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "gradops.native: pool_empty takes a torch.dtype");
+  return output(sizes, at::TensorOptions().dtype(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type));
+}
+
+// Frees every free block; returns their bytes (gradops.empty_cache).
+int64_t pool_clear() {
+  BlockPool& pool = block_pool();
+  std::lock_guard<std::mutex> guard(pool.lock);
+  const int64_t released = pool.free_bytes;
+  for (auto& [bytes, list] : pool.free) {
+    for (void* block : list) std::free(block);
+  }
+  pool.free.clear();
+  pool.free_bytes = 0;
+  return released;
+}
+
+int64_t pool_free_bytes() {
+  BlockPool& pool = block_pool();
+  std::lock_guard<std::mutex> guard(pool.lock);
+  return pool.free_bytes;
 }
 
 }  // namespace
@@ -216,6 +311,29 @@ Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
   return y;
 }
 
+// The public functions' eager calls (gradops.hardswish, gradops.hardswish_backward when nothing records them): the
+// same pieces on torch's threads as the nodes, so that a function between ATen ops does not wake numba's second
+// thread pool (whose spinning threads and torch's then share two cores: hardswish_backward at 4096 x 1024 fp32 was
+// 1.37x ATen's between ATen calls, CI VM 2026-11-24). Contiguous tensors of the kernels' dtype (the caller checks).
+Tensor hardswish_forward(const Tensor& x, const Kernels& kernels) {
+  Tensor y = output(x.sizes(), x.options());
+  const int64_t size = x.element_size();
+  split(x.numel(), [&](int64_t lo, int64_t hi) {
+    reinterpret_cast<ElementwiseFn>(kernels[0])(addr(x) + lo * size, addr(y) + lo * size, hi - lo);
+  });
+  return y;
+}
+
+Tensor hardswish_backward(const Tensor& g, const Tensor& x, const Kernels& kernels) {
+  Tensor dx = output(x.sizes(), x.options());
+  const int64_t size = x.element_size();
+  auto kernel = reinterpret_cast<ElementwiseGradFn>(kernels[1]);
+  split(x.numel(), [&](int64_t lo, int64_t hi) {
+    kernel(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
+  });
+  return dx;
+}
+
 // LayerNorm over the last dim, y only (what torch.nn.LayerNorm returns): mean and variance stay inside the node.
 struct LayerNormBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable x_, gamma_, mean_, var_;
@@ -254,7 +372,7 @@ struct LayerNormBackward : public torch::autograd::Node {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kRowBlocks, m));
     Tensor pg = at::empty({blocks, n}, f32);
     Tensor pb = at::empty({blocks, n}, f32);
-    at::parallel_for(0, blocks, m * n < kParallelMin ? blocks : 1, [&](int64_t b0, int64_t b1) {
+    parallel(0, blocks, m * n < kParallelMin ? blocks : 1, [&](int64_t b0, int64_t b1) {
       blocks_(addr(dy), addr(x), addr(mean), addr(rstd), addr(gamma), addr(dx), addr(pg), addr(pb), m, n, blocks, b0,
               b1);
     });
@@ -272,7 +390,7 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
   Tensor mean = at::empty({m}, f32);
   Tensor var = at::empty({m}, f32);
   const int64_t size = x.element_size();
-  at::parallel_for(0, m, (kParallelMin + n - 1) / n, [&](int64_t lo, int64_t hi) {
+  parallel(0, m, (kParallelMin + n - 1) / n, [&](int64_t lo, int64_t hi) {
     reinterpret_cast<LayerNormFn>(kernels[0])(addr(x) + lo * n * size, addr(gamma), addr(beta), eps,
                                               addr(y) + lo * n * size, addr(mean) + lo * 4, addr(var) + lo * 4, hi - lo,
                                               n);
@@ -323,7 +441,7 @@ struct EmbeddingBackward : public torch::autograd::Node {
       Tensor order = at::empty({n}, i64);
       bad = sparse_order_(addr(idx), n, v, addr(order));
       if (bad < 0 && e > 0) {  // runs of equal indices split over the threads by their first sorted position
-        at::parallel_for(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, kParallelMin / e),
+        parallel(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, kParallelMin / e),
                          [&](int64_t p0, int64_t p1) {
                            sparse_rows_(addr(grad), addr(idx), addr(order), padding_, scale_, addr(table), n, e, v,
                                         p0, p1);
@@ -335,7 +453,7 @@ struct EmbeddingBackward : public torch::autograd::Node {
       bad = sort_(addr(idx), n, v, addr(offsets), addr(order));
       if (bad < 0 && v > 0 && e > 0) {
         const int64_t blocks = (v + kTableRows - 1) / kTableRows;
-        at::parallel_for(0, blocks, v * e < kParallelMin ? blocks : 1, [&](int64_t c0, int64_t c1) {
+        parallel(0, blocks, v * e < kParallelMin ? blocks : 1, [&](int64_t c0, int64_t c1) {
           blocks_(addr(grad), addr(offsets), addr(order), padding_, scale_, addr(table), n, e, v, c0, c1);
         });
       }
@@ -525,8 +643,6 @@ py::object embedding_planned(py::handle weight, py::handle indices, int64_t padd
   return y.defined() ? py::cast(y) : py::none();
 }
 
-void set_pool(py::object empty) { pool_empty = new py::object(std::move(empty)); }
-
 void set_plain_types(py::handle tensor, py::handle parameter) {
   plain_types[0] = reinterpret_cast<PyTypeObject*>(tensor.ptr());
   plain_types[1] = reinterpret_cast<PyTypeObject*>(parameter.ptr());
@@ -548,6 +664,17 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
   return y.defined() ? py::cast(y) : py::none();
 }
 
+Tensor hardswish_function(const Tensor& x, Kernels kernels) {
+  check_kernels(kHardswish, kernels);
+  return gradops_native::hardswish_forward(x, kernels);
+}
+
+Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
+  check_kernels(kHardswish, kernels);
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
+  return gradops_native::hardswish_backward(g, x, kernels);
+}
+
 void set_differentiable(int64_t op, py::object fn) {
   TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
   differentiable[op] = new py::object(std::move(fn));
@@ -557,7 +684,10 @@ void set_differentiable(int64_t op, py::object fn) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradops' native autograd nodes (see autograd.cpp)";
-  pthread_atfork(nullptr, nullptr, [] { forked = true; });
+  pthread_atfork(nullptr, nullptr, [] {
+    forked = true;
+    new (&block_pool().lock) std::mutex();  // another thread may have held it at the fork: the copy would never open
+  });
   m.attr("HARDSWISH") = static_cast<int64_t>(kHardswish);
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
   m.attr("PARALLEL_MIN") = kParallelMin;
@@ -568,10 +698,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm", &layer_norm, "LayerNorm y of a contiguous x (..., N); backward the fused LayerNorm backward");
   m.def("embedding", &embedding, "weight[indices], contiguous; backward aclnnEmbeddingDenseBackward; None for an index "
         "outside the table");
+  m.def("hardswish_forward", &hardswish_function, "gradops.hardswish's kernels on a contiguous x, not recorded");
+  m.def("hardswish_backward", &hardswish_backward_function,
+        "aclnnHardswishBackward on contiguous g, x of one shape and dtype, not recorded");
   m.def("set_differentiable", &set_differentiable, "the Python backward of op for create_graph=True");
   m.def("recordable", &recordable, "whether a call on these arguments is eager, recorded, on plain tensors");
   m.def("set_plain_types", &set_plain_types, "torch.Tensor and torch.nn.Parameter (kept alive by torch)");
-  m.def("set_pool", &set_pool, "gradops.cpu._pool.empty, for outputs of 1 MiB and more");
+  m.def("pool_empty", &pool_empty, "a contiguous CPU tensor from the output pool (1 MiB and more)");
+  m.def("pool_clear", &pool_clear, "free the pool's free blocks; their bytes");
+  m.def("pool_free_bytes", &pool_free_bytes, "bytes in the pool's free blocks");
   m.def("remember", &remember, "the native node's kernels for calls with these tensors' metadata and scalar");
   m.def("forget", &forget, "drop every remembered plan");
   m.def("hardswish_planned", &hardswish_planned, "the recorded Hardswish on a remembered plan, or None");

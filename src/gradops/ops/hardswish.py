@@ -24,16 +24,42 @@ def _native_entry(choice, shape, x: Tensor):
     return node, list(c_abi.hardswish(x.dtype))
 
 
+def _function_entry(name: str):
+    """The plans' ``native`` hook of the public functions: the extension's ``name`` and the kernels for the dtype,
+    or None (see :func:`gradops.native.function`)."""
+
+    def entry(choice, shape, *args: Tensor):
+        fn = native.function(name)
+        if fn is None:
+            return None
+        from ..cpu import c_abi
+
+        return fn, list(c_abi.hardswish(args[-1].dtype))
+
+    return entry
+
+
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
 # new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
 check_hardswish = remembered(contract.check_hardswish)
 check_hardswish_backward = remembered(contract.check_hardswish_backward)
 plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry)
-plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1)
+plan_hardswish_forward = Planner("hardswish", contract.check_hardswish, native=_function_entry("hardswish_forward"))
+plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1,
+                                  native=_function_entry("hardswish_backward"))
+
+
+def _run(plan, *args: Tensor) -> Tensor:
+    """The plan's kernels on ``args``: through the extension (on torch's threads) where the plan has it and the
+    tensors are contiguous, else the backend (any layout)."""
+    if plan.native is not None and all(t.is_contiguous() for t in args):
+        fn, kernels = plan.native
+        return fn(*args, kernels)
+    return own(plan.backend.fn(*args))
 
 
 def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
-    return own(plan_hardswish_backward(grad_output, self).backend.fn(grad_output, self))
+    return _run(plan_hardswish_backward(grad_output, self), grad_output, self)
 
 
 _hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body)
@@ -60,7 +86,7 @@ _hardswish_backward.register_autograd(_hardswish_backward_backward, setup_contex
 
 
 def _hardswish_body(self: Tensor) -> Tensor:
-    return own(plan_hardswish(self).backend.fn(self))
+    return _run(plan_hardswish_forward(self), self)
 
 
 _hardswish = DirectOp("gradops::hardswish", _hardswish_body)
