@@ -77,9 +77,9 @@ def scratch(workspace: Tensor | None, nbytes: int, offset: int, dtype: np.dtype,
 #: True in a child forked after this process ran a parallel kernel on numba's GNU-OpenMP pool, or (once
 #: gradops.native is loaded, when numba's regions run on torch's OpenMP runtime) may have run torch's: GNU OpenMP
 #: does not survive fork; numba terminates the child at its next parallel launch ("fork() called from a process
-#: already using GNU OpenMP") or, on torch's runtime, the region hangs. In such a child (a fork-started DataLoader worker, a multiprocessing pool)
-#: ``GRADOPS_BACKEND=auto`` computes with the pure-torch reference (same results, reference speed), and naming
-#: ``cpu`` raises (gradops.backend.usable).
+#: already using GNU OpenMP") or, on torch's runtime, the region hangs. In such a child (a fork-started DataLoader
+#: worker, a multiprocessing pool) ``GRADOPS_BACKEND=auto`` computes with the pure-torch reference (same results,
+#: reference speed), and naming ``cpu`` raises (gradops.backend.usable).
 _forked_omp_child = False
 
 FORKED_WHY = ("this process was forked after the compiled CPU kernels (or torch's, sharing the runtime with them "
