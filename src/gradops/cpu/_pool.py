@@ -44,7 +44,7 @@ _native = None
 
 def use_native(extension) -> None:
     """Serve pooled outputs from ``extension``'s pool (``pool_empty``, ``pool_clear``, ``pool_free_bytes``: see
-    gradops/native/autograd.cpp) from now on; blocks held here stay until they are reused or :func:`clear`."""
+    gradops/native/autograd.cpp) from now on; blocks this module held before stay here until :func:`clear`."""
     global _native
     _native = extension
 
