@@ -1,10 +1,9 @@
 """gradops.native: the C++ autograd nodes of gradops.nn's eager training path on CPU.
 
 The nodes call the same compiled kernels as the Python path, so every result here is compared bit for bit with
-the Python Function path (``gradops.native.set_enabled(False)``) on the same inputs; the float64 references of
-the modules' formulas are tests/test_nn.py's business and hold for both paths through it. Skipped where the
-extension is not built, except under ``GRADOPS_REQUIRE_NATIVE=1`` (scripts/test.sh sets it when setup built the
-extension), where a missing extension fails.
+the Python Function path (``gradops.native.set_enabled(False)``, tests/native_paths.py) on the same inputs; the
+float64 references of the modules' formulas are tests/test_nn.py's business and hold for both paths through it.
+The Embedding node has its own file, tests/test_native_embedding.py.
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ import torch
 import gradops
 import gradops.native as native
 import gradops.nn as gnn
+from native_paths import DTYPES, both, on_threads, same, skip_unless_native, step
 
-pytestmark = pytest.mark.skipif(
-    native.status() != "loaded" and os.environ.get("GRADOPS_REQUIRE_NATIVE") != "1",
-    reason=f"gradops.native: {native.status()}")
+pytestmark = skip_unless_native
 
 
 def test_required_extension_is_loaded():
@@ -40,36 +38,6 @@ def python_path():
         native.set_enabled(True)
 
 
-def _step(module: torch.nn.Module, x: torch.Tensor, upstream, create_graph: bool = False):
-    """Forward, backward of ``upstream(y)``; returns the node's name, y and every gradient."""
-    x = x.detach().requires_grad_(x.requires_grad)
-    for p in module.parameters():
-        p.grad = None
-    y = module(x)
-    upstream(y).backward(create_graph=create_graph)
-    grads = [t.grad for t in (x, *module.parameters()) if t.requires_grad]
-    return y.grad_fn.name(), y, grads
-
-
-def _same(a, b) -> None:
-    for u, v in zip(a, b):
-        assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride()
-        assert torch.equal(u, v)
-
-
-def _both(module, x, upstream=lambda y: (y * 1.5).sum(), create_graph=False):
-    """The module's results on the native node and on the Python path: (native name, python name, native results,
-    python results)."""
-    name, y, grads = _step(module, x, upstream, create_graph)
-    native.set_enabled(False)
-    try:
-        name_py, y_py, grads_py = _step(module, x, upstream, create_graph)
-    finally:
-        native.set_enabled(True)
-    return name, name_py, [y, *grads], [y_py, *grads_py]
-
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 8 x 8: the per-call end; (3, 5, 64): a 3-D input; 512 x 256 = 131072 items, above the kernels' serial/parallel
 # threshold (PARALLEL_MIN = 32768), so the nodes split the work over torch's threads; 7 x 33: odd sizes, no
 # vector-width multiple.
@@ -84,10 +52,10 @@ def test_hardswish_node_matches_python_path(shape, dtype):
     x.data[..., 0] = 3.0  # CANN's closed interval at +-3 (d = 1.5, -0.5), on both paths
     x.data[..., -1] = -3.0
     w = torch.randn(shape).to(dtype)
-    name, name_py, ours, python = _both(gnn.Hardswish(), x, lambda y: (y * w).sum())
+    name, name_py, ours, python = both(gnn.Hardswish(), x, lambda y: (y * w).sum())
     assert name == "gradops_native::HardswishBackward"
     assert "gradops_native" not in name_py
-    _same(ours, python)
+    same(ours, python)
     assert ours[1][..., 0].eq((w[..., 0].float() * 1.5).to(dtype)).all()
 
 
@@ -105,10 +73,10 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
             p.normal_()
     x = torch.randn(shape).to(dtype).requires_grad_()
     w = torch.randn(shape).to(dtype)
-    name, name_py, ours, python = _both(module, x, lambda y: (y * w).sum())
+    name, name_py, ours, python = both(module, x, lambda y: (y * w).sum())
     assert name == "gradops_native::LayerNormBackward"
     assert "gradops_native" not in name_py
-    _same(ours, python)
+    same(ours, python)
 
 
 def test_thresholds_agree_with_the_python_path():
@@ -128,17 +96,14 @@ def test_same_bits_on_any_number_of_threads(make):
     torch.manual_seed(0)
     module = make()
     x = torch.randn(130, 1000, requires_grad=True)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            name, y, grads = _step(module, x, lambda y: (y * 1.5).sum())
-            assert name.startswith("gradops_native::")
-            results.append([y, *grads])
-    finally:
-        torch.set_num_threads(before)
-    _same(*results)
+
+    def run():
+        name, y, grads = step(module, x, lambda y: (y * 1.5).sum())
+        assert name.startswith("gradops_native::")
+        return [y, *grads]
+
+    results = on_threads((1, 2), run)
+    same(*results)
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(64)], ids=["Hardswish", "LayerNorm"])
@@ -146,8 +111,8 @@ def test_strided_upstream_gradient(make):
     """``y.sum()`` hands the node an expanded gradient (stride 0); ``y[:, ::2]`` a zero-filled, sliced one."""
     x = torch.randn(16, 64)
     for upstream in (lambda y: y.sum(), lambda y: y[:, ::2].sum() * 2, lambda y: y.t().contiguous()[3].sum()):
-        _, _, ours, python = _both(make(), x.requires_grad_(), upstream)
-        _same(ours, python)
+        _, _, ours, python = both(make(), x.requires_grad_(), upstream)
+        same(ours, python)
 
 
 def test_strided_input_takes_the_python_path():
@@ -184,7 +149,7 @@ def test_double_backward_through_the_node():
             bound = 2 * torch.finfo(torch.float32).eps * python[1].abs().max()
             assert (ours[1] - python[1]).abs().max() <= bound
             ours, python = ours[:1] + ours[2:], python[:1] + python[2:]
-        _same(ours, python)
+        same(ours, python)
 
 
 def test_gradients_that_are_not_plain_take_the_op():
@@ -234,89 +199,6 @@ def test_saved_tensor_hooks_and_version_check():
     inner.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
-
-
-# ---------------------------------------------------------------- Embedding
-# (indices, table rows): fewer indices than rows (the sorting path: the table zeroed, the touched rows written), more
-# (the counting sort, every row in fixed blocks), 4096 x 64 = 256 Ki table items (blocks split over the threads),
-# 600 x 64 gradient items above the parallel threshold on the sorting path (runs split over the threads), 3-D
-# indices, repeats of a few rows (row sums of several gradient rows), no index at all.
-EMBEDDING_CASES = [((4, 7), 100), ((300,), 100), ((2, 3, 5), 16), ((5000,), 4096), ((600,), 4096), ((64,), 3),
-                   ((0,), 10)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
-@pytest.mark.parametrize(("shape", "rows"), EMBEDDING_CASES, ids=str)
-@pytest.mark.parametrize("options", [(None, False), (3, False), (None, True), (-2, True)], ids=str)
-def test_embedding_node_matches_python_path(shape, rows, index_dtype, dtype, options):
-    padding_idx, scale = options
-    if padding_idx is not None and padding_idx >= rows:
-        padding_idx = rows - 1
-    torch.manual_seed(0)
-    module = gnn.Embedding(rows, 64 if rows >= 4096 else 24, padding_idx=padding_idx, scale_grad_by_freq=scale)
-    module.to(dtype)
-    indices = torch.randint(0, rows, shape, dtype=index_dtype)
-    w = torch.randn(*shape, module.embedding_dim).to(dtype)
-    name, _, ours, python = _both(module, indices, lambda y: (y * w).sum())
-    assert name == "gradops_native::EmbeddingBackward"
-    _same(ours, python)
-
-
-@pytest.mark.parametrize("count", [1000, 6000], ids=["sorting", "counting-sort"])
-def test_embedding_same_bits_on_any_number_of_threads(count):
-    """Runs of one index far longer than a thread's share (8 distinct rows): on the sorting path a run belongs to
-    the piece holding its first sorted position and is summed whole there, so 1 and 2 threads give the same bits;
-    the counting sort's fixed row blocks likewise."""
-    torch.manual_seed(0)
-    module = gnn.Embedding(4096 if count < 4096 else 1024, 64)
-    indices = torch.randint(0, 8, (count,))
-    w = torch.randn(count, 64)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            name, y, grads = _step(module, indices, lambda y: (y * w).sum())
-            assert name == "gradops_native::EmbeddingBackward"
-            results.append([y, *grads])
-    finally:
-        torch.set_num_threads(before)
-    _same(*results)
-    _, _, ours, python = _both(module, indices, lambda y: (y * w).sum())
-    _same(ours, python)
-
-
-def test_embedding_indices_outside_the_table_are_refused():
-    """The node tests the range before reading a row (forward); an index changed behind autograd's back after the
-    forward (``.data``: no version bump) is refused by the backward's own test, with the op's OpError."""
-    module = gnn.Embedding(10, 4)
-    for bad in (torch.tensor([3, 10]), torch.tensor([[-1, 2]], dtype=torch.int32)):
-        with pytest.raises(gradops.OpError) as err:
-            module(bad)
-        assert err.value.status == 161002
-    for count in (3, 30):  # the sorting path, the counting sort
-        indices = torch.randint(0, 10, (count,))
-        y = module(indices)
-        assert y.grad_fn.name() == "gradops_native::EmbeddingBackward"
-        indices.data[1] = 10
-        with pytest.raises(gradops.OpError, match="got 10 at flat position 1"):
-            y.sum().backward()
-
-
-def test_embedding_double_backward_and_other_index_dtypes():
-    """create_graph=True records the op's differentiable backward (the weight's gradient is linear in the upstream
-    gradient: its derivative is a gather); uint8 / float indices keep the Python path (CANN's conversion)."""
-    torch.manual_seed(0)
-    module = gnn.Embedding(20, 8)
-    indices = torch.randint(0, 20, (30,))
-    g = torch.randn(30, 8, requires_grad=True)
-    y = module(indices)
-    (dw,) = torch.autograd.grad(y, module.weight, g, create_graph=True)
-    (dg,) = torch.autograd.grad((dw * dw).sum(), g)
-    torch.testing.assert_close(dg, 2 * dw.detach()[indices], rtol=0, atol=0)
-    for other in (indices.to(torch.uint8), indices.float()):
-        assert "gradops_native" not in module(other).grad_fn.name()
 
 
 def test_invalid_input_still_raises_op_error():

@@ -282,6 +282,26 @@ void record(const NodeRef& ref, const Tensor& output, const Inputs&... inputs) {
 // Named (not anonymous) so that grad_fn.name() reads gradops_native::..., as torch's read HardswishBackward0.
 namespace gradops_native {
 
+// Hardswish and its backward on contiguous tensors, split over torch's threads: the nodes' kernels, and the public
+// functions' (gradops.hardswish, gradops.hardswish_backward when nothing records them, so that a function between
+// ATen ops does not wake numba's second thread pool, whose spinning threads and torch's then share two cores:
+// hardswish_backward at 4096 x 1024 fp32 was 1.37x ATen's between ATen calls, CI VM 2026-11-24).
+Tensor hardswish_values(const Tensor& x, ElementwiseFn kernel) {
+  Tensor y = output(x.sizes(), x.options());
+  const int64_t size = x.element_size();
+  split(x.numel(), [&](int64_t lo, int64_t hi) { kernel(addr(x) + lo * size, addr(y) + lo * size, hi - lo); });
+  return y;
+}
+
+Tensor hardswish_grad(const Tensor& g, const Tensor& x, ElementwiseGradFn kernel) {
+  Tensor dx = output(x.sizes(), x.options());
+  const int64_t size = x.element_size();
+  split(x.numel(), [&](int64_t lo, int64_t hi) {
+    kernel(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
+  });
+  return dx;
+}
+
 struct HardswishBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable self_;
   ElementwiseGradFn kernel_ = nullptr;
@@ -294,23 +314,13 @@ struct HardswishBackward : public torch::autograd::Node {
     if (at::GradMode::is_enabled() || forked || !plain(grads[0])) {
       return {python_backward(kHardswish, {grads[0], x}, 0.0)[0]};
     }
-    Tensor g = grads[0].contiguous();
-    Tensor dx = output(x.sizes(), x.options());
-    const int64_t size = x.element_size();
-    split(x.numel(), [&](int64_t lo, int64_t hi) {
-      kernel_(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
-    });
-    return {dx};
+    return {hardswish_grad(grads[0].contiguous(), x, kernel_)};
   }
 };
 
 // Hardswish of a contiguous x, recorded when x requires grad (the caller checked grad mode: see recordable).
 Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
-  Tensor y = output(x.sizes(), x.options());
-  const int64_t size = x.element_size();
-  split(x.numel(), [&](int64_t lo, int64_t hi) {
-    reinterpret_cast<ElementwiseFn>(kernels[0])(addr(x) + lo * size, addr(y) + lo * size, hi - lo);
-  });
+  Tensor y = hardswish_values(x, reinterpret_cast<ElementwiseFn>(kernels[0]));
   if (at::GradMode::is_enabled() && x.requires_grad()) {
     NodeRef ref = make_node<HardswishBackward>();
     auto* node = static_cast<HardswishBackward*>(ref.get());
@@ -321,28 +331,6 @@ Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
   return y;
 }
 
-// The public functions' eager calls (gradops.hardswish, gradops.hardswish_backward when nothing records them): the
-// same pieces on torch's threads as the nodes, so that a function between ATen ops does not wake numba's second
-// thread pool (whose spinning threads and torch's then share two cores: hardswish_backward at 4096 x 1024 fp32 was
-// 1.37x ATen's between ATen calls, CI VM 2026-11-24). Contiguous tensors of the kernels' dtype (the caller checks).
-Tensor hardswish_forward(const Tensor& x, const Kernels& kernels) {
-  Tensor y = output(x.sizes(), x.options());
-  const int64_t size = x.element_size();
-  split(x.numel(), [&](int64_t lo, int64_t hi) {
-    reinterpret_cast<ElementwiseFn>(kernels[0])(addr(x) + lo * size, addr(y) + lo * size, hi - lo);
-  });
-  return y;
-}
-
-Tensor hardswish_backward(const Tensor& g, const Tensor& x, const Kernels& kernels) {
-  Tensor dx = output(x.sizes(), x.options());
-  const int64_t size = x.element_size();
-  auto kernel = reinterpret_cast<ElementwiseGradFn>(kernels[1]);
-  split(x.numel(), [&](int64_t lo, int64_t hi) {
-    kernel(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
-  });
-  return dx;
-}
 
 // LayerNorm over the last dim, y only (what torch.nn.LayerNorm returns): mean and variance stay inside the node.
 struct LayerNormBackward : public torch::autograd::Node {
@@ -676,13 +664,13 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
 
 Tensor hardswish_function(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
-  return gradops_native::hardswish_forward(x, kernels);
+  return gradops_native::hardswish_values(x, reinterpret_cast<ElementwiseFn>(kernels[0]));
 }
 
 Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
-  return gradops_native::hardswish_backward(g, x, kernels);
+  return gradops_native::hardswish_grad(g, x, reinterpret_cast<ElementwiseGradFn>(kernels[1]));
 }
 
 void set_differentiable(int64_t op, py::object fn) {
