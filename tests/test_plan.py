@@ -18,6 +18,17 @@ from gradops.status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR
 rms = importlib.import_module("gradops.ops.rms_norm")
 
 
+@pytest.fixture
+def python_path():
+    """The Python path of every call: the native extension's direct path (which plans through the same Planner
+    objects, held by each op rather than looked up by module attribute) off for the test."""
+    import gradops.native as native
+
+    native.set_enabled(False)
+    yield
+    native.set_enabled(True)
+
+
 def test_a_plan_is_remembered_per_metadata_and_environment(monkeypatch):
     x, g = torch.randn(4, 8), torch.randn(8)
     monkeypatch.setenv("GRADOPS_BACKEND", "torch")
@@ -58,7 +69,7 @@ def test_forget_drops_every_plan():
     assert rms.plan_rms_norm(x, g, 1e-6) is not second
 
 
-def test_the_functional_call_and_out_share_the_plan(monkeypatch):
+def test_the_functional_call_and_out_share_the_plan(monkeypatch, python_path):
     """Issue 12.1: the out= path validated and picked the backend on its own."""
     seen = []
     real = rms.plan_rms_norm_grad
@@ -103,7 +114,7 @@ def recorder(monkeypatch, decided):
     return mod
 
 
-def test_every_surface_runs_the_backend_its_call_plan_chose(recorder, monkeypatch):
+def test_every_surface_runs_the_backend_its_call_plan_chose(recorder, monkeypatch, python_path):
     """Issue 12.1: aclnn phase 1 and AscendC LayerNormGrad validated with the contract and picked a backend through
     ``backend.select`` beside the call plan; now each surface of an op plans through the op's planner and runs the
     plan's backend, and the aclnn executor names it."""

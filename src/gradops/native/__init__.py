@@ -27,7 +27,10 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("autograd.cpp")
+_HERE = Path(__file__).parent
+#: The extension's sources: the autograd nodes, the direct calls of the public functions, what they share.
+SOURCES = (_HERE / "autograd.cpp", _HERE / "direct.cpp")
+HEADERS = (_HERE / "common.h",)
 ENV = "GRADOPS_NATIVE"
 
 _module: ModuleType | None = None
@@ -47,8 +50,11 @@ _OPENMP = ("-fopenmp",) if torch._C.has_openmp else ()
 
 
 def _tag() -> str:
-    """What the built library depends on: the source, its flags, torch's version (its C++ ABI) and the Python ABI."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    """What the built library depends on: the sources, their flags, torch's version (its C++ ABI) and the Python
+    ABI."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}|{_OPENMP}".encode())
     return digest.hexdigest()[:16]
 
@@ -96,7 +102,7 @@ def build(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     # -O2: the nodes only allocate and call the kernels; no torch/extension.h (the whole C++ API), which triples
     # the build time for nothing used here.
-    load(name(), [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2", *_OPENMP],
+    load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=["-O2", *_OPENMP],
          extra_ldflags=list(_OPENMP), verbose=verbose)
     return library
 

@@ -21,8 +21,8 @@
 // Every tensor handed to a kernel is contiguous (the caller checks the inputs; the upstream gradient is made
 // contiguous here) and lives until the kernel returns; addresses travel as int64.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "common.h"
+
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -52,15 +52,18 @@
 
 namespace py = pybind11;
 using at::Tensor;
+using gradops::addr;
+using gradops::forked;
+using gradops::kParallelMin;
+using gradops::output;
+using gradops::parallel;
 using torch::autograd::variable_list;
+
+bool gradops::forked = false;
+PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-inline int64_t addr(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
-
-// Items below which a kernel runs on the calling thread: gradops.cpu._host.PARALLEL_MIN (tests/test_native.py checks
-// they agree), about the work where a parallel region pays for itself.
-constexpr int64_t kParallelMin = 1 << 15;
 // Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS; table rows per block of the embedding
 // backward: gradops.cpu.c_abi.EMBEDDING_ROWS (checked by the same test).
 constexpr int64_t kRowBlocks = 64;
@@ -68,24 +71,6 @@ constexpr int64_t kTableRows = 64;
 
 // A node's kernels, addresses in the order gradops.cpu.c_abi returns them.
 using Kernels = std::vector<int64_t>;
-
-// Set in a child of fork(). GNU OpenMP does not survive fork: there the nodes and functions run their kernels on the
-// calling thread (see parallel), and a graph recorded before the fork runs its backward through the Python formula,
-// whose guards know the state of numba's own pool (gradops.cpu._host).
-bool forked = false;
-
-// at::parallel_for(begin, end, grain, f): f over pieces of [begin, end) on torch's intra-op threads (the pool ATen's
-// own kernels run on, so gradops' kernels and torch's never compete for cores - a second OpenMP runtime's threads,
-// spinning after their region, would). In a child of fork() one piece on the calling thread: GNU OpenMP does not
-// survive fork, and a parallel region there hangs once the parent ran one (torch's own kernels included).
-template <class F>
-void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (forked) {
-    if (begin < end) f(begin, end);
-  } else {
-    at::parallel_for(begin, end, grain, f);
-  }
-}
 
 // ``f(lo, hi)`` over [0, n), in one piece below kParallelMin items. Element i belongs to one piece whatever the
 // thread count: the kernels called here are elementwise or per row, so the result bits never depend on the split.
@@ -195,9 +180,11 @@ void release_block(void* block, int64_t bytes) {
   std::free(block);
 }
 
+}  // namespace
+
 // A contiguous CPU tensor: from the pool from 1 MiB on (a recycled block of the exact size, else a new one), else
 // at::empty. Its storage cannot be resized (as the Python pool's).
-Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+Tensor gradops::output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
   if (bytes < kPoolMin || pool_limit() <= 0) return at::empty(sizes, options);
   void* block = nullptr;
@@ -224,6 +211,8 @@ Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   }
   return at::from_blob(block, sizes, [bytes](void* data) { release_block(data, bytes); }, options);
 }
+
+namespace {
 
 // gradops.cpu._pool.empty's body once the extension is loaded.
 Tensor pool_empty(std::vector<int64_t> sizes, py::handle dtype) {
@@ -495,16 +484,31 @@ Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t paddi
 
 }  // namespace gradops_native
 
-namespace {
-
 // Whether a torch.func transform is active: pushing one onto functorch's stack includes its front-mode key in this
 // thread's dispatch keys (functorch's own headers need nlohmann/json, which torch does not ship).
-bool functorch_active() {
+static bool functorch_active() {
   return c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
 }
 
-// torch.Tensor and torch.nn.Parameter, set once by gradops.native: the exact types the eager path takes.
-PyTypeObject* plain_types[2] = {nullptr, nullptr};
+bool gradops::unwatched() {
+  return !c10::impl::TorchDispatchModeTLS::any_modes_set(/*skip_infra_modes=*/false) &&
+         !at::impl::torch_function_mode_enabled() && !functorch_active() &&
+         !torch::profiler::impl::profilerEnabled() && !torch::jit::tracer::isTracing();
+}
+
+bool gradops::foreign_tensor(const Tensor& t) {
+  return t.is_meta() || t.is_neg() || t.is_conj() || t.key_set().has(c10::DispatchKey::Batched);
+}
+
+const char* gradops::env_or_unset(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "\x01";
+}
+
+namespace {
+
+using gradops::env_or_unset;
+using gradops::plain_types;
 
 // Whether a call with ``args`` is an eager call that autograd records, on plain tensors: what
 // gradops.ops._direct.eager_path answers FUNCTION for, less the two answers it reads in Python first
@@ -513,17 +517,13 @@ PyTypeObject* plain_types[2] = {nullptr, nullptr};
 // the CI VM, 2026-11-24). False sends the caller to the Python test, which gives the full answer.
 template <typename Handles>
 bool recordable_handles(const Handles& args) {
-  if (!at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set(/*skip_infra_modes=*/false) ||
-      at::impl::torch_function_mode_enabled() || functorch_active() ||
-      torch::profiler::impl::profilerEnabled() || torch::jit::tracer::isTracing()) {
-    return false;
-  }
+  if (!at::GradMode::is_enabled() || !gradops::unwatched()) return false;
   bool grad = false;
   for (py::handle a : args) {
     PyTypeObject* type = Py_TYPE(a.ptr());
     if (type == plain_types[0] || type == plain_types[1]) {
       const Tensor& t = THPVariable_Unpack(a.ptr());
-      if (t.is_meta() || t.is_neg() || t.is_conj() || t.key_set().has(c10::DispatchKey::Batched)) return false;
+      if (gradops::foreign_tensor(t)) return false;
       grad = grad || t.requires_grad();
     } else if (THPVariable_Check(a.ptr())) {
       return false;  // a tensor subclass: its own __torch_function__ / __torch_dispatch__ comes first
@@ -550,11 +550,6 @@ struct Plan {
 };
 std::vector<Plan> plans[kOps];
 constexpr size_t kPlanLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
-
-const char* env_or_unset(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "\x01";
-}
 
 // Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor).
 bool add_key(std::vector<int64_t>& key, const Tensor& t) {
@@ -601,6 +596,7 @@ void remember(int64_t op, std::vector<Tensor> tensors, double scalar, Kernels ke
 
 void forget() {
   for (auto& list : plans) list.clear();
+  gradops::forget_direct();
 }
 
 // The recorded call on the node from a remembered plan, or None (then gradops' Python path decides).
@@ -710,4 +706,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hardswish_planned", &hardswish_planned, "the recorded Hardswish on a remembered plan, or None");
   m.def("layer_norm_planned", &layer_norm_planned, "the recorded LayerNorm y on a remembered plan, or None");
   m.def("embedding_planned", &embedding_planned, "the recorded embedding lookup on a remembered plan, or None");
+  gradops::register_direct(m);
 }

@@ -221,7 +221,12 @@ class DirectOp:
         #: ``native(*args)``: the call on a native autograd node when it is an eager recorded call the node can take
         #: (:func:`native_call`), else None. Set by the op's module.
         self.native: Callable[..., Any] | None = None
+        #: The op's planner when its plans carry programs for the extension's direct path (:meth:`direct`). Set by
+        #: the op's module.
+        self.planner: Any = None  # a gradops.ops._plan.Planner
+        self._direct_id: int | None = None
         name = body.__name__.removesuffix("_body").lstrip("_")
+        self.name = name
 
         def no_derivative(ctx: Any, *grads: object) -> Any:
             raise RuntimeError(f"gradops.{name} has no derivative (the backward of a gradops backward is not "
@@ -270,12 +275,43 @@ class DirectOp:
                     {"forward": staticmethod(forward), "setup_context": staticmethod(setup),
                      "backward": staticmethod(backward), "generate_vmap_rule": True})
 
+    def direct(self, *args: object) -> Any:
+        """The call on the native extension's direct path, or None where it takes the Python path.
+
+        An eager call that nothing records or watches, on plain contiguous CPU tensors and simple scalars, whose
+        arguments' metadata the extension has a program for, is one C++ call (native/direct.cpp: the eager test,
+        the outputs, the kernels' pieces on torch's threads). The first call of each metadata runs the op's call
+        plan here - a refused call raises its OpError as the Python path would - and hands the plan's program (or
+        "no program": another backend, an empty tensor) to the extension. None also when a kernel piece found a
+        value the op refuses: the Python path then raises its OpError."""
+        if self.planner is None or not _enabled or _is_compiling():
+            return None
+        ext = native.module()
+        if ext is None:
+            return None
+        op = self._direct_id
+        if op is None:
+            op = self._direct_id = ext.direct_op(self.name)
+        result = ext.direct(op, *args)
+        if result is not ext.MISS:
+            return result
+        program = self.planner.program_of(self.planner(*args), args)
+        if program is None:
+            ext.remember_direct(op, args, True, [], [], [], [], False)
+            return None
+        ext.remember_direct(op, args, *program.spec())
+        return ext.direct(op, *args)
+
     def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
         """Run the op on positional ``args``.
 
         ``check``: the op's validation, run before the custom op (the body runs it itself): the op's schema would
         answer a None or a mistyped scalar with a bare RuntimeError before the body could raise OpError.
         """
+        if self.planner is not None:
+            result = self.direct(*args)
+            if result is not None:
+                return result
         if self.native is not None:
             result = self.native(*args)
             if result is not None:

@@ -71,13 +71,13 @@ class Planner:
     back in the op's shapes); None for an op whose body calls ``backend.fn`` itself. ``values``: the positions of
     the arguments whose float64 dtype means "compute in float64" (default: every tensor argument; embedding's
     float64 indices are only indices). ``native(choice, shape, *args)``: the plan's ``native`` entry, asked only
-    for the compiled CPU backend."""
+    for the compiled CPU backend. ``program``: the op's name in :mod:`gradops.cpu.programs` (see :meth:`program_of`)."""
 
     def __init__(self, op: str, check: Callable[..., Any], device_arg: int = 0,
                  adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None,
-                 native: Callable[..., Any] | None = None) -> None:
+                 native: Callable[..., Any] | None = None, program: str | None = None) -> None:
         self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
-        self.native = native
+        self.native, self.program = native, program
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
         _PLANNERS.append(self)
 
@@ -114,6 +114,16 @@ class Planner:
         entry = (self.native(choice, shape, *args) if native and self.native is not None and choice.name == "cpu"
                  else None)
         return CallPlan(shape, choice, run, entry), token, module
+
+    def program_of(self, plan: CallPlan, args: tuple) -> Any:
+        """The call as the native extension's direct path replays it (a :class:`gradops.cpu.programs.Program` for
+        ``args``, all of the op's positional arguments, whose plan is ``plan``), or None: the op has no program,
+        the plan chose another backend than the compiled CPU kernels, or the program does not apply."""
+        if self.program is None or plan.backend.name != "cpu":
+            return None
+        from ..cpu import programs
+
+        return programs.build(self.program, plan.shape, *args)
 
     def _float64(self, args: tuple) -> bool:
         picked = args if self.values is None else [args[i] for i in self.values]

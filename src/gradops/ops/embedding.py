@@ -31,7 +31,8 @@ def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_we
 
 # values=(0,): float64 indices are one of CANN's nine index dtypes, not a reason to compute in float64.
 plan_embedding_dense_backward = Planner("embedding_dense_backward", contract.check_embedding_dense_backward,
-                                        adapter=_embedding_dense_backward_2d, values=(0,))
+                                        adapter=_embedding_dense_backward_2d, values=(0,),
+                                        program="embedding_dense_backward")
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -58,6 +59,7 @@ def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseExcepti
 
 
 _embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)
+_embedding_dense_backward.planner = plan_embedding_dense_backward
 
 
 @_embedding_dense_backward.register_fake
@@ -89,6 +91,10 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     Returns:
         (num_weights, E) in grad's dtype.
     """
+    if out is None:  # the direct path validates on the first call of each argument metadata, as the plan below
+        table = _embedding_dense_backward.direct(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+        if table is not None:
+            return table
     # here too: the schema would refuse a None or a bad scalar before the op body checks
     plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     padding_idx = no_padding_outside_table(padding_idx, num_weights)

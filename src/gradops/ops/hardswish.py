@@ -44,9 +44,10 @@ def _function_entry(name: str):
 check_hardswish = remembered(contract.check_hardswish)
 check_hardswish_backward = remembered(contract.check_hardswish_backward)
 plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry)
-plan_hardswish_forward = Planner("hardswish", contract.check_hardswish, native=_function_entry("hardswish_forward"))
+plan_hardswish_forward = Planner("hardswish", contract.check_hardswish, native=_function_entry("hardswish_forward"),
+                                 program="hardswish")
 plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1,
-                                  native=_function_entry("hardswish_backward"))
+                                  native=_function_entry("hardswish_backward"), program="hardswish_backward")
 
 
 def _run(plan, *args: Tensor) -> Tensor:
@@ -63,6 +64,7 @@ def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
 
 
 _hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body)
+_hardswish_backward.planner = plan_hardswish_backward
 
 
 @_hardswish_backward.register_fake
@@ -90,6 +92,7 @@ def _hardswish_body(self: Tensor) -> Tensor:
 
 
 _hardswish = DirectOp("gradops::hardswish", _hardswish_body)
+_hardswish.planner = plan_hardswish_forward
 
 
 @_hardswish.register_fake

@@ -44,7 +44,8 @@ def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon
     return node, list(c_abi.layer_norm(x.dtype, gamma.dtype, beta.dtype))
 
 
-plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry)
+plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
+                          program="layer_norm")
 
 
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -53,6 +54,7 @@ def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> 
 
 
 _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
+_layer_norm.planner = plan_layer_norm
 
 
 @_layer_norm.register_fake
@@ -71,7 +73,8 @@ def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean:
     return own(fit(pdx, x.shape), fit(res, x.shape))
 
 
-plan_layer_norm_grad = Planner("layer_norm_grad", contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d)
+plan_layer_norm_grad = Planner("layer_norm_grad", contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d,
+                               program="layer_norm_grad")
 
 
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -81,6 +84,7 @@ def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
 
 
 _layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
+_layer_norm_grad.planner = plan_layer_norm_grad
 
 
 @_layer_norm_grad.register_fake
@@ -95,7 +99,7 @@ def _layer_norm_grad_beta_2d(fn, plan, res_for_gamma: Tensor, dy: Tensor) -> tup
 
 
 plan_layer_norm_grad_beta = Planner("layer_norm_grad_beta", contract.check_layer_norm_grad_beta, device_arg=1,
-                                    adapter=_layer_norm_grad_beta_2d)
+                                    adapter=_layer_norm_grad_beta_2d, program="layer_norm_grad_beta")
 
 
 def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,6 +108,7 @@ def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tenso
 
 
 _layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body)
+_layer_norm_grad_beta.planner = plan_layer_norm_grad_beta
 
 
 @_layer_norm_grad_beta.register_fake
@@ -123,7 +128,7 @@ def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd:
 
 
 plan_layer_norm_backward = Planner("layer_norm_backward", contract.check_layer_norm_backward,
-                                   adapter=_layer_norm_backward_2d)
+                                   adapter=_layer_norm_backward_2d, program="layer_norm_backward")
 
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -133,6 +138,7 @@ def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
 
 
 _layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body)
+_layer_norm_backward.planner = plan_layer_norm_backward
 
 
 @_layer_norm_backward.register_fake

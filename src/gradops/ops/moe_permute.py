@@ -32,7 +32,7 @@ def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Ten
 
 
 plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
-                                      adapter=_permute_grad_2d)
+                                      adapter=_permute_grad_2d, program="moe_token_permute_grad")
 
 
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -42,6 +42,7 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
 
 
 _moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body)
+_moe_token_permute_grad.planner = plan_moe_token_permute_grad
 
 
 @_moe_token_permute_grad.register_fake
@@ -55,7 +56,8 @@ def _permute_2d(fn, plan, tokens: Tensor, indices: Tensor, num_out_tokens: int |
     return own(*fn(tokens, indices, plan.rows))
 
 
-plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d)
+plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d,
+                                 program="moe_token_permute")
 
 
 def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
@@ -65,6 +67,7 @@ def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int
 
 
 _moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body)
+_moe_token_permute.planner = plan_moe_token_permute
 
 
 @_moe_token_permute.register_fake
@@ -159,7 +162,8 @@ def _unpermute_2d(fn, plan, permuted_tokens: Tensor, sorted_indices: Tensor, pro
     return own(fn(permuted_tokens, sorted_indices, probs))  # the backend checks the permutation
 
 
-plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d)
+plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d,
+                                   program="moe_token_unpermute")
 
 
 def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
@@ -169,6 +173,7 @@ def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, p
 
 
 _moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body)
+_moe_token_unpermute.planner = plan_moe_token_unpermute
 
 
 @_moe_token_unpermute.register_fake
@@ -191,10 +196,11 @@ def _unpermute_grad_2d(fn, plan, permuted_tokens: Tensor, grad_unpermuted: Tenso
 
 
 plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.check_moe_token_unpermute_grad,
-                                        adapter=_unpermute_grad_2d)
+                                        adapter=_unpermute_grad_2d, program="moe_token_unpermute_grad")
 
 
 _moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body)
+_moe_token_unpermute_grad.planner = plan_moe_token_unpermute_grad
 
 
 @_moe_token_unpermute_grad.register_fake

@@ -28,7 +28,8 @@ def _rms_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tens
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
-plan_rms_norm_grad = Planner("rms_norm_grad", contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d)
+plan_rms_norm_grad = Planner("rms_norm_grad", contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d,
+                             program="rms_norm_grad")
 
 
 def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,6 +38,7 @@ def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> t
 
 
 _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
+_rms_norm_grad.planner = plan_rms_norm_grad
 
 
 @_rms_norm_grad.register_fake
@@ -69,7 +71,7 @@ def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Te
     return own(fit(y, x.shape), fit(rstd, rstd_shape))
 
 
-plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d)
+plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d, program="rms_norm")
 
 
 def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -78,6 +80,7 @@ def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Te
 
 
 _rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
+_rms_norm.planner = plan_rms_norm
 
 
 @_rms_norm.register_fake

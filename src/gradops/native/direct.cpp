@@ -1,0 +1,281 @@
+// gradops' direct calls: an eager call of a public function that nothing records, replayed in one C++ call.
+//
+// Why: after the call plans (gradops.ops._plan) the Python path of a call at 8 x 8 fp32 still cost 8-15 µs on the
+// 2-core CI VM (2026-11-24, layer_norm_backward 15.4: the eager-path test 2.5, the plan lookup 2.5, three pooled
+// outputs 3.8, the kernel call with its tensors by address 1.8, the layers between them the rest), against 2-11 µs
+// for ATen's own kernels. Every part of that is a function of the arguments' metadata alone, so it is decided once.
+//
+// What Python hands over (gradops.cpu.programs), once gradops' call plan validated a call and chose the compiled CPU
+// kernels: the op's program for these argument metadata - the outputs to allocate (sizes, dtype, zeroed or not),
+// scratch buffers, and steps: a kernel piece (a numba cfunc ``int64 piece(int64 args, int64 lo, int64 hi)`` that
+// reads its arguments from an int64 array and runs work items [lo, hi)), its arguments (an input's, output's or
+// scratch buffer's address, or a value), and how its work items split over torch's threads. The pieces are the
+// Python path's own per-row / per-block functions and the split never changes which piece computes which bits, so
+// the results are the Python path's bits. A later call with the same metadata is this file: the eager test, the
+// key, the allocations, the steps.
+//
+// A step that returns >= 0 found a value the op refuses (an index outside a table, a negative rstd): the call
+// returns None and the Python path runs, which raises the op's OpError. So does every call this file cannot take
+// as it is: something watches calls (a mode, a transform, the profiler, a tracer), autograd would record it, an
+// argument is not a plain contiguous CPU tensor or a simple scalar, a child of fork().
+
+#include "common.h"
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+
+// A kernel piece: reads its arguments from the int64 array at ``args`` (addresses, integers, float64 bits), runs
+// its work items [lo, hi); returns -1, or a position whose value the op refuses.
+using PieceFn = int64_t (*)(int64_t args, int64_t lo, int64_t hi);
+
+// What a step argument is: the address of the call's input i, of output i, of scratch buffer i, or the value itself.
+enum Slot : int64_t { kInput = 0, kOutput = 1, kScratch = 2, kValue = 3 };
+constexpr size_t kMaxArgs = 32;
+
+struct Buffer {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  bool zero;
+};
+
+struct Step {
+  PieceFn fn;
+  std::vector<std::pair<int64_t, int64_t>> args;  // (Slot, index or value)
+  int64_t count, grain;  // work items [0, count), split over threads in pieces of at least grain (>= count: one)
+};
+
+struct Program {
+  std::vector<int64_t> key;
+  std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered
+  bool python = true;              // no program: the call takes gradops' Python path (another backend, empty tensors)
+  std::vector<Buffer> outputs, scratch;
+  std::vector<Step> steps;
+  std::vector<int64_t> results;  // the outputs returned, in order
+  bool tuple = false;            // returned as a tuple (else the one tensor)
+};
+
+std::vector<std::vector<Program>> programs;  // by op id (direct_op)
+std::unordered_map<std::string, int64_t> op_ids;
+constexpr size_t kProgramLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
+
+// Key tags of the scalar arguments; a tensor's entry starts with its dtype (>= 0), then its dim and sizes.
+enum Tag : int64_t { kNone = -1, kBool = -2, kInt = -3, kFloat = -4 };
+
+// Appends the metadata of the call arguments args[first:] to key and their tensors to tensors; false when a direct
+// call cannot take them: a tensor that is not a plain contiguous CPU tensor (a subclass, meta, lazily negated or
+// conjugated, legacy-vmap batched), one autograd would record (``record``: grad mode is on), or an argument other
+// than a tensor, None, bool, int or float. What gradops.contract._memo.key_of reads, and contiguity.
+bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>& key,
+            std::vector<const Tensor*>& tensors) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = first; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    PyTypeObject* type = Py_TYPE(a);
+    if (type == gradops::plain_types[0] || type == gradops::plain_types[1]) {
+      const Tensor& t = THPVariable_Unpack(a);
+      if (gradops::foreign_tensor(t) || (record && t.requires_grad()) || t.layout() != at::kStrided ||
+          !t.device().is_cpu() || !t.is_contiguous()) {
+        return false;
+      }
+      key.push_back(static_cast<int64_t>(t.scalar_type()));
+      key.push_back(t.dim());
+      for (int64_t size : t.sizes()) key.push_back(size);
+      tensors.push_back(&t);
+    } else if (a == Py_None) {
+      key.push_back(kNone);
+    } else if (type == &PyBool_Type) {
+      key.push_back(kBool);
+      key.push_back(a == Py_True);
+    } else if (type == &PyLong_Type) {
+      int overflow = 0;
+      const long long value = PyLong_AsLongLongAndOverflow(a, &overflow);
+      if (overflow != 0) return false;
+      key.push_back(kInt);
+      key.push_back(value);
+    } else if (type == &PyFloat_Type) {
+      const double value = PyFloat_AS_DOUBLE(a);
+      int64_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      key.push_back(kFloat);
+      key.push_back(bits);
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+const Program* find_program(int64_t op, const std::vector<int64_t>& key) {
+  const char* backend = gradops::env_or_unset("GRADOPS_BACKEND");
+  const char* interpret = gradops::env_or_unset("TRITON_INTERPRET");
+  for (const Program& p : programs[op]) {
+    if (p.key == key && p.backend == backend && p.interpret == interpret) return &p;
+  }
+  return nullptr;
+}
+
+// The program's outputs on the call's inputs, or None when a step refused a value.
+py::object run(const Program& p, const std::vector<const Tensor*>& inputs) {
+  std::vector<Tensor> outs, scratch;
+  outs.reserve(p.outputs.size());
+  for (const Buffer& b : p.outputs) {
+    outs.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
+    if (b.zero) outs.back().zero_();
+  }
+  scratch.reserve(p.scratch.size());
+  for (const Buffer& b : p.scratch) {
+    scratch.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
+    if (b.zero) scratch.back().zero_();
+  }
+  for (const Step& s : p.steps) {
+    std::array<int64_t, kMaxArgs> values;
+    for (size_t i = 0; i < s.args.size(); ++i) {
+      const auto [slot, v] = s.args[i];
+      values[i] = slot == kInput ? gradops::addr(*inputs[v])
+                  : slot == kOutput ? gradops::addr(outs[v])
+                  : slot == kScratch ? gradops::addr(scratch[v])
+                  : v;
+    }
+    const int64_t at_values = reinterpret_cast<int64_t>(values.data());
+    int64_t bad = -1;
+    if (s.grain >= s.count) {
+      bad = s.fn(at_values, 0, s.count);
+    } else {
+      std::atomic<int64_t> found{-1};
+      gradops::parallel(0, s.count, s.grain, [&](int64_t lo, int64_t hi) {
+        const int64_t r = s.fn(at_values, lo, hi);
+        if (r >= 0) found.store(r, std::memory_order_relaxed);
+      });
+      bad = found.load();
+    }
+    if (bad >= 0) return py::none();
+  }
+  if (!p.tuple) return py::cast(outs[p.results[0]]);
+  py::tuple result(p.results.size());
+  for (size_t i = 0; i < p.results.size(); ++i) result[i] = py::cast(outs[p.results[i]]);
+  return result;
+}
+
+// direct(op, *args): op's result on args from a remembered program; None when the call must take gradops' Python
+// path (see the top of this file); MISS (Ellipsis) when it could run here but no program is remembered for these
+// argument metadata (the caller plans it and calls remember_direct).
+py::object direct(py::args args) {
+  if (gradops::forked || !gradops::unwatched()) return py::none();
+  PyObject* tuple = args.ptr();
+  TORCH_CHECK(PyTuple_GET_SIZE(tuple) >= 1, "gradops.native.direct: no op id");
+  const int64_t op = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 0));
+  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native.direct: unknown op ", op);
+  thread_local std::vector<int64_t> key;
+  thread_local std::vector<const Tensor*> tensors;
+  key.clear();
+  tensors.clear();
+  if (!key_of(tuple, 1, at::GradMode::is_enabled(), key, tensors)) return py::none();
+  const Program* p = find_program(op, key);
+  if (p == nullptr) return py::ellipsis();
+  if (p->python) return py::none();
+  return run(*p, tensors);
+}
+
+at::ScalarType dtype_of(py::handle dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "gradops.native: expected a torch.dtype");
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
+
+std::vector<Buffer> buffers(const py::list& specs) {
+  std::vector<Buffer> out;
+  for (py::handle spec : specs) {
+    auto item = spec.cast<py::tuple>();
+    TORCH_CHECK(item.size() == 3, "gradops.native: a buffer is (sizes, dtype, zero)");
+    out.push_back({item[0].cast<std::vector<int64_t>>(), dtype_of(item[1]), item[2].cast<bool>()});
+  }
+  return out;
+}
+
+// Remembers op's program for calls with the metadata of ``call`` (the arguments as the op takes them).
+// ``python``: no program, such calls take gradops' Python path. ``outputs``, ``scratch``: (sizes, dtype, zero)
+// each; ``steps``: (piece address, [(slot, index or value)], count, grain) each; ``results``: output indexes.
+void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, py::list scratch, py::list steps,
+                     std::vector<int64_t> results, bool tuple) {
+  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native: unknown op ", op);
+  Program p;
+  std::vector<const Tensor*> tensors;
+  if (!key_of(call.ptr(), 0, false, p.key, tensors)) return;  // not a call direct() could take
+  p.backend = gradops::env_or_unset("GRADOPS_BACKEND");
+  p.interpret = gradops::env_or_unset("TRITON_INTERPRET");
+  p.python = python;
+  if (!python) {
+    p.outputs = buffers(outputs);
+    p.scratch = buffers(scratch);
+    for (py::handle spec : steps) {
+      auto item = spec.cast<py::tuple>();
+      TORCH_CHECK(item.size() == 4, "gradops.native: a step is (piece, args, count, grain)");
+      Step s{reinterpret_cast<PieceFn>(item[0].cast<int64_t>()), {}, item[2].cast<int64_t>(),
+             item[3].cast<int64_t>()};
+      TORCH_CHECK(s.fn != nullptr && s.count >= 1 && s.grain >= 1, "gradops.native: bad step");
+      for (py::handle arg : item[1]) {
+        auto [slot, v] = arg.cast<std::pair<int64_t, int64_t>>();
+        const size_t limit = slot == kInput ? tensors.size() : slot == kOutput ? p.outputs.size()
+                             : slot == kScratch ? p.scratch.size() : 0;
+        TORCH_CHECK(slot == kValue || (slot >= kInput && slot <= kScratch && v >= 0 && static_cast<size_t>(v) < limit),
+                    "gradops.native: step argument (", slot, ", ", v, ") names no buffer");
+        s.args.emplace_back(slot, v);
+      }
+      TORCH_CHECK(s.args.size() <= kMaxArgs, "gradops.native: a step takes at most ", kMaxArgs, " arguments");
+      p.steps.push_back(std::move(s));
+    }
+    for (int64_t r : results) {
+      TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < p.outputs.size(), "gradops.native: result ", r, " names no output");
+    }
+    TORCH_CHECK(!results.empty() && (tuple || results.size() == 1), "gradops.native: bad results");
+    p.results = std::move(results);
+    p.tuple = tuple;
+  }
+  std::vector<Program>& list = programs[op];
+  for (Program& old : list) {
+    if (old.key == p.key && old.backend == p.backend && old.interpret == p.interpret) {
+      old = std::move(p);
+      return;
+    }
+  }
+  if (list.size() >= kProgramLimit) list.clear();
+  list.push_back(std::move(p));
+}
+
+// The id direct() and remember_direct() take for the op called ``name`` (the same id for the same name).
+int64_t direct_op(const std::string& name) {
+  auto [it, fresh] = op_ids.emplace(name, static_cast<int64_t>(programs.size()));
+  if (fresh) programs.emplace_back();
+  return it->second;
+}
+
+}  // namespace
+
+void gradops::forget_direct() {
+  for (auto& list : programs) list.clear();
+}
+
+void gradops::register_direct(py::module_& m) {
+  m.attr("MISS") = py::ellipsis();
+  m.attr("INPUT") = static_cast<int64_t>(kInput);
+  m.attr("OUTPUT") = static_cast<int64_t>(kOutput);
+  m.attr("SCRATCH") = static_cast<int64_t>(kScratch);
+  m.attr("VALUE") = static_cast<int64_t>(kValue);
+  m.attr("MAX_ARGS") = static_cast<int64_t>(kMaxArgs);
+  m.def("direct", &direct, "direct(op, *args): the public function's eager call from a remembered program, None "
+        "(take the Python path) or MISS (no program for these argument metadata)");
+  m.def("remember_direct", &remember_direct, "the program of op for calls with these arguments' metadata");
+  m.def("direct_op", &direct_op, "the direct-call id of the op called name");
+}

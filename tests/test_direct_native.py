@@ -1,0 +1,205 @@
+"""The native extension's direct calls (native/direct.cpp, gradops.cpu.programs): an eager call of a public function
+that nothing records replays the op's program in one C++ call. The same bits as the Python path on every sample,
+on one and two threads, above and below the parallel threshold; the same OpError for every value a kernel refuses;
+the Python path wherever a program does not apply."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import gradops
+import gradops.native as native
+from gradops.cpu import programs
+from gradops.ops import _direct
+from gradops.status import OpError
+from native_paths import on_threads, same, skip_unless_native
+from samples import OPS, samples
+
+pytestmark = skip_unless_native
+
+CASES = [pytest.param(op, s, id=f"{op}-{s.name}") for op in OPS for s in samples(op)]
+
+
+def _tuple(result) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _python_path(op: str, args: tuple, kwargs: dict):
+    """The call with the direct path off (the extension's plans forgotten; the native nodes unaffected here)."""
+    native.set_enabled(False)
+    try:
+        return _tuple(getattr(gradops, op)(*args, **kwargs))
+    finally:
+        native.set_enabled(True)
+
+
+_FAMILY = {"rms": "rms_norm", "lay": "layer_norm", "har": "hardswish", "emb": "embedding", "moe": "moe_permute"}
+
+
+def _op(op: str) -> _direct.DirectOp:
+    """The DirectOp behind the public function ``op``."""
+    return getattr(importlib.import_module(f"gradops.ops.{_FAMILY[op[:3]]}"), f"_{op}")
+
+
+def _direct_args(op: str, sample) -> tuple:
+    """The sample's arguments as the public function hands them to its DirectOp (positional, defaults filled)."""
+    from test_ops import _op_args
+
+    return tuple(_op_args(op, sample))
+
+
+def _expects_program(op: str, args: tuple) -> bool:
+    """Whether the call's program exists: plain contiguous non-empty CPU tensors of the dtypes programs cover."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(not t.is_contiguous() or t.dtype == torch.float64 for t in tensors):
+        return False
+    if any(t.numel() == 0 for t in tensors) or (op.startswith("moe") and args[1].numel() == 0):
+        return False
+    if op == "embedding_dense_backward" and args[1].dtype not in (torch.int32, torch.int64):
+        return False
+    if op in ("rms_norm_grad",) and args[2].dtype != torch.float32:
+        return False
+    if op in ("layer_norm_grad", "layer_norm_backward") and (args[2].dtype, args[3].dtype) != (torch.float32,) * 2:
+        return False
+    return op != "moe_token_unpermute_grad" or args[0].dtype == args[1].dtype
+
+
+@pytest.mark.parametrize("op,sample", CASES)
+def test_direct_call_same_bits_as_the_python_path(op, sample):
+    expected = _python_path(op, sample.args, sample.kwargs)
+    ours = _tuple(getattr(gradops, op)(*sample.args, **sample.kwargs))
+    same(ours, expected)
+    args = _direct_args(op, sample)
+    if _expects_program(op, args):  # the call above remembered it: the next one runs in C++
+        ext, direct_op = native.module(), _op(op)
+        replay = ext.direct(ext.direct_op(direct_op.name), *args)
+        assert replay is not None and replay is not ext.MISS
+        same(_tuple(replay), expected)
+
+
+# Shapes whose kernels split over threads (items >= PARALLEL_MIN), one per op family.
+_LARGE = {
+    "rms_norm_grad": lambda: (torch.randn(300, 257), torch.randn(300, 257), torch.rand(300) + 0.5, torch.randn(257)),
+    "layer_norm_backward": lambda: (torch.randn(300, 257), torch.randn(300, 257), torch.randn(300),
+                                    torch.rand(300) + 0.5, torch.randn(257)),
+    "layer_norm_grad_beta": lambda: (torch.randn(300, 257), torch.randn(300, 257)),
+    "layer_norm": lambda: (torch.randn(300, 257), torch.randn(257), torch.randn(257), 1e-5),
+    "hardswish_backward": lambda: (torch.randn(70001), torch.randn(70001) * 4),
+    "embedding_dense_backward": lambda: (torch.randn(5000, 33), torch.randint(0, 900, (5000,)), 900, 3, True),
+    "moe_token_unpermute_grad": lambda: (torch.randn(4096, 40), torch.randn(1024, 40),
+                                         torch.randperm(4096, dtype=torch.int32), torch.rand(1024, 4)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_LARGE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_pieces_same_bits_on_any_thread_count(op, dtype):
+    torch.manual_seed(0)
+    stats = {"rms_norm_grad": (2,), "layer_norm_backward": (2, 3)}.get(op, ())  # float32 whatever x's dtype
+    args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and i not in stats else a
+                 for i, a in enumerate(_LARGE[op]()))
+    expected = _python_path(op, args, {})
+    one, two = on_threads([1, 2], lambda: _tuple(getattr(gradops, op)(*args)))
+    same(one, expected)
+    same(two, expected)
+
+
+def _refusal(op: str, args: tuple) -> str:
+    with pytest.raises(OpError) as err:
+        getattr(gradops, op)(*args)
+    return f"{err.value.status}: {err.value}"
+
+
+def _i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# (op, a call of some metadata, a call of the same metadata holding a value the op refuses)
+_REFUSALS = [
+    ("embedding_dense_backward", (torch.randn(6, 4), torch.tensor([0, 1, 4, 2, 1, 0]), 5),  # the sorting path
+     (torch.randn(6, 4), torch.tensor([0, 1, 7, 2, 1, 0]), 5)),
+    ("embedding_dense_backward", (torch.randn(3, 4), torch.tensor([0, 9, 2]), 50),  # few indices, large table
+     (torch.randn(3, 4), torch.tensor([0, -1, 2]), 50)),
+    ("layer_norm_backward", (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4), torch.ones(4), torch.randn(8)),
+     (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4), torch.tensor([1.0, -0.5, 1.0, 1.0]), torch.randn(8))),
+    ("layer_norm_grad", (torch.randn(4, 8), torch.randn(4, 8), torch.ones(4), torch.randn(4), torch.randn(8), 1e-5),
+     (torch.randn(4, 8), torch.randn(4, 8), torch.tensor([1.0, 1.0, -0.5, 1.0]), torch.randn(4), torch.randn(8),
+      1e-5)),
+    ("moe_token_permute_grad", (torch.randn(4, 4), _i32(3, 1, 2, 0), 2), (torch.randn(4, 4), _i32(0, 1, 2, 9), 2)),
+    ("moe_token_unpermute", (torch.randn(4, 3), _i32(3, 1, 2, 0), torch.rand(2, 2)),
+     (torch.randn(4, 3), _i32(0, 1, 1, 3), torch.rand(2, 2))),
+    ("moe_token_unpermute_grad", (torch.randn(4, 3), torch.randn(2, 3), _i32(3, 1, 2, 0), torch.rand(2, 2)),
+     (torch.randn(4, 3), torch.randn(2, 3), _i32(0, 5, 1, 2), torch.rand(2, 2))),
+]
+
+
+def _refusal(op: str, args: tuple) -> str:
+    with pytest.raises(OpError) as err:
+        getattr(gradops, op)(*args)
+    return f"{err.value.status}: {err.value}"
+
+
+@pytest.mark.parametrize("op,good,bad", _REFUSALS, ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(_REFUSALS)])
+def test_a_refused_value_raises_the_python_paths_error(op, good, bad):
+    """A kernel piece that finds a refused value sends the call to the Python path, which raises its OpError; the
+    good call first, so that the refused one meets a remembered program."""
+    getattr(gradops, op)(*good)
+    ext = native.module()
+    assert ext.direct(ext.direct_op(_op(op).name), *good) is not None
+    native.set_enabled(False)
+    try:
+        expected = _refusal(op, bad)
+    finally:
+        native.set_enabled(True)
+    assert _refusal(op, bad) == expected
+
+
+def test_slots_agree_with_the_extension():
+    ext = native.module()
+    assert (ext.INPUT, ext.OUTPUT, ext.SCRATCH, ext.VALUE) == (programs.INPUT, programs.OUTPUT, programs.SCRATCH,
+                                                               programs.VALUE)
+
+
+def test_not_taken_when_autograd_records_or_a_mode_watches():
+    ext = native.module()
+    op = ext.direct_op(_op("hardswish").name)
+    x = torch.randn(8, 8)
+    gradops.hardswish(x)  # remembered
+    assert ext.direct(op, x) is not None
+    assert ext.direct(op, x.requires_grad_()) is None  # FUNCTION's (or the node's) call
+    with torch.no_grad():
+        assert ext.direct(op, x) is not None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert ext.direct(op, x.detach()) is None
+    assert ext.direct(op, x.detach().t()) is None  # not contiguous
+    assert ext.direct(op, torch.randn(8, 9)) is ext.MISS  # new metadata: the caller plans it
+
+
+def test_forgotten_with_the_call_plans():
+    ext = native.module()
+    op = ext.direct_op(_op("hardswish_backward").name)
+    g, x = torch.randn(4, 4), torch.randn(4, 4)
+    gradops.hardswish_backward(g, x)
+    assert ext.direct(op, g, x) is not None
+    gradops.backend.forget()
+    assert ext.direct(op, g, x) is ext.MISS
+
+
+def test_another_backend_keeps_the_python_path(monkeypatch):
+    ext = native.module()
+    op = ext.direct_op(_op("hardswish").name)
+    x = torch.randn(5, 13)
+    monkeypatch.setenv("GRADOPS_BACKEND", "torch")
+    gradops.hardswish(x)
+    assert ext.direct(op, x) is None  # remembered as "the Python path" for this environment
+    monkeypatch.delenv("GRADOPS_BACKEND")
+    assert ext.direct(op, x) is ext.MISS  # another environment: planned afresh
