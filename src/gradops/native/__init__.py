@@ -5,7 +5,8 @@ A ``torch.autograd.Function`` costs a Python call per forward and per backward; 
 already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2-core CI VM, 2026-11-23). These nodes are C++
 autograd nodes written as torch's generated ones are, and call the same compiled CPU kernels as the Python path by
 address, split over torch's own threads, so results are the same bits; see ``autograd.cpp`` for what stays in
-Python (validation, the double backward).
+Python (validation, the double backward). The same extension replays the public functions' eager calls that
+nothing records from programs remembered per argument metadata (``direct.cpp``, :mod:`gradops.cpu.programs`).
 
 The extension is built once per (source, torch, Python) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``, else
 ``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on the CI VM).

@@ -163,9 +163,12 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs) {
     }
     if (bad >= 0) return py::none();
   }
-  if (!p.tuple) return py::cast(outs[p.results[0]]);
-  py::tuple result(p.results.size());
-  for (size_t i = 0; i < p.results.size(); ++i) result[i] = py::cast(outs[p.results[i]]);
+  // Wrapping the outputs allocates Python objects, which can run a garbage collection whose finalizers call
+  // gradops again and remember a program, moving this one: nothing of it is read from here on.
+  const std::vector<int64_t> results = p.results;
+  if (!p.tuple) return py::cast(outs[results[0]]);
+  py::tuple result(results.size());
+  for (size_t i = 0; i < results.size(); ++i) result[i] = py::cast(outs[results[i]]);
   return result;
 }
 

@@ -11,8 +11,10 @@ When none of these is active, :class:`DirectOp` runs the op body - the op's sing
 op's call plan (:mod:`gradops.ops._plan`: validation and backend) - directly, or, when autograd records the call,
 on the op's native C++ autograd node where it has one and the plan allows (:mod:`gradops.native`: Hardswish on
 CPU), else through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op
-registers. Results
-are the same bits either way (tests/test_direct.py).
+registers. With the
+native extension loaded, a call that nothing records first tries :meth:`DirectOp.direct`: the op's remembered
+program, replayed in one C++ call (native/direct.cpp). Results are the same bits on every path (tests/test_direct.py,
+tests/test_direct_native.py).
 Under torch.func, grad / vjp run the op inside a setup_context-style Function (torch.library's own autograd lacks
 one), and vmap runs the op's vmap rule: the op once per sample (tests/test_func.py).
 
