@@ -312,7 +312,8 @@ class DirectOp:
             ext.remember_direct(op, args, True, [], [], [], [], False)
             return None
         ext.remember_direct(op, args, *program.spec())
-        return ext.direct(op, *args)
+        result = ext.direct(op, *args)
+        return None if result is ext.MISS else result  # MISS cannot follow remember_direct; never hand it out
 
     def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
         """Run the op on positional ``args``.
