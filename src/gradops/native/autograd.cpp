@@ -40,6 +40,7 @@
 
 #include <array>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -348,8 +349,16 @@ struct LayerNormBackward : public torch::autograd::Node {
     }
     const int64_t n = x.size(-1);
     const int64_t m = x.numel() / n;
-    // rstd as the Python path computes it (float32 var + a wrapped double scalar, then rsqrt): the same bits.
-    Tensor rstd = at::rsqrt(var + eps_);
+    // rstd as the Python path computes it, torch.rsqrt(var + eps): ATen adds the wrapped double scalar in float32
+    // and takes 1 / sqrt (IEEE division and square root, vectorized or not), so this loop gives the same bits
+    // without two ATen calls (~3 µs of a small backward on the CI VM).
+    Tensor rstd = at::empty(var.sizes(), var.options());
+    {
+      const float e = static_cast<float>(eps_);
+      const float* v = var.data_ptr<float>();
+      float* out = rstd.data_ptr<float>();
+      for (int64_t i = 0, rows = var.numel(); i < rows; ++i) out[i] = 1.0f / std::sqrt(v[i] + e);
+    }
     Tensor dy = grads[0].contiguous();
     Tensor dx = output(x.sizes(), x.options());
     at::TensorOptions f32 = x.options().dtype(at::kFloat);
