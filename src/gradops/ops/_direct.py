@@ -11,10 +11,9 @@ When none of these is active, :class:`DirectOp` runs the op body - the op's sing
 op's call plan (:mod:`gradops.ops._plan`: validation and backend) - directly, or, when autograd records the call,
 on the op's native C++ autograd node where it has one and the plan allows (:mod:`gradops.native`: Hardswish on
 CPU), else through a ``torch.autograd.Function`` built from the same setup_context / backward pair the op
-registers. With the
-native extension loaded, a call that nothing records first tries :meth:`DirectOp.direct`: the op's remembered
-program, replayed in one C++ call (native/direct.cpp). Results are the same bits on every path (tests/test_direct.py,
-tests/test_direct_native.py).
+registers. With the native extension loaded, a call that nothing records first tries :meth:`DirectOp.direct`: the
+op's remembered program, replayed in one C++ call (native/direct.cpp). Results are the same bits on every path
+(tests/test_direct.py, tests/test_direct_native.py).
 Under torch.func, grad / vjp run the op inside a setup_context-style Function (torch.library's own autograd lacks
 one), and vmap runs the op's vmap rule: the op once per sample (tests/test_func.py).
 
@@ -236,7 +235,7 @@ class DirectOp:
         #: The op's planner when its plans carry programs for the extension's direct path (:meth:`direct`). Set by
         #: the op's module.
         self.planner: Any = None  # a gradops.ops._plan.Planner
-        self._direct_id: int | None = None
+        self._direct_id: tuple[Any, int] | None = None  # (extension, the op's id in it)
         name = body.__name__.removesuffix("_body").lstrip("_")
         self.name = name
 
@@ -301,9 +300,12 @@ class DirectOp:
         ext = native.module()
         if ext is None:
             return None
-        op = self._direct_id
-        if op is None:
-            op = self._direct_id = ext.direct_op(self.name)
+        known = self._direct_id
+        if known is not None and known[0] is ext:
+            op = known[1]
+        else:  # first call, or another extension loaded since (gradops.native.reset): ids are per extension
+            op = ext.direct_op(self.name)
+            self._direct_id = (ext, op)
         result = ext.direct(op, *args)
         if result is not ext.MISS:
             return result
