@@ -17,6 +17,7 @@ from gradops.ops import _direct
 from gradops.status import OpError
 from native_paths import on_threads, same, skip_unless_native
 from samples import OPS, samples
+from test_ops import _op_args
 
 pytestmark = skip_unless_native
 
@@ -28,7 +29,8 @@ def _tuple(result) -> tuple[torch.Tensor, ...]:
 
 
 def _python_path(op: str, args: tuple, kwargs: dict):
-    """The call with the direct path off (the extension's plans forgotten; the native nodes unaffected here)."""
+    """The call on the Python path: the extension off (its programs forgotten); nothing here records, so no native
+    node is involved either."""
     native.set_enabled(False)
     try:
         return _tuple(getattr(gradops, op)(*args, **kwargs))
@@ -46,8 +48,6 @@ def _op(op: str) -> _direct.DirectOp:
 
 def _direct_args(op: str, sample) -> tuple:
     """The sample's arguments as the public function hands them to its DirectOp (positional, defaults filled)."""
-    from test_ops import _op_args
-
     return tuple(_op_args(op, sample))
 
 
@@ -78,6 +78,13 @@ def test_direct_call_same_bits_as_the_python_path(op, sample):
         replay = ext.direct(ext.direct_op(direct_op.name), *args)
         assert replay is not None and replay is not ext.MISS
         same(_tuple(replay), expected)
+
+
+def test_every_op_has_samples_on_the_direct_path():
+    """The comparison above is not vacuous: every op has samples whose call runs on the direct path."""
+    for op in OPS:
+        taken = [s.name for s in samples(op) if _expects_program(op, _direct_args(op, s))]
+        assert len(taken) >= 2, (op, taken)
 
 
 # Shapes whose kernels split over threads (items >= PARALLEL_MIN), one per op family.
