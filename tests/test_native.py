@@ -81,11 +81,11 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
 
 def test_thresholds_agree_with_the_python_path():
     """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies)."""
-    from gradops.cpu import _host, c_abi
+    from gradops.cpu import _host, embedding
 
     ext = native.module()
     assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.TABLE_ROWS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS,
-                                                                   c_abi.EMBEDDING_ROWS)
+                                                                   embedding._ROWS)
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])

@@ -27,6 +27,14 @@ from .programs import Program, arg, blocks_grain, chunks, piece
 
 # ---------------------------------------------------------------- embedding_dense_backward
 @piece
+def _embedding_check(i_s):
+    def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, n, v
+        a = view1(at, _I64, 3)
+        return _first_outside(view1(a[0], i_s, a[1]), a[2])
+    return body
+
+
+@piece
 def _embedding_sort(i_s):
     def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, offsets, order, n, v
         a = view1(at, _I64, 5)
@@ -253,6 +261,13 @@ def _moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, sorted_ind
            [arg(0), arg(1), arg(2), weights, dx, dp_at, a, h, tokens, total, topk], pieces,
            blocks_grain(pieces, tokens * h * max(topk, 1)))
     return p.returns(dx, dp)
+
+
+def embedding_node_pieces(dtype: torch.dtype, index_dtype: torch.dtype) -> list[int]:
+    """The native Embedding node's pieces (autograd.cpp): the range test ``(idx, n, v)`` of its forward, and the
+    backward's counting sort, table blocks, sorted order and sorted runs - the direct calls' own."""
+    return [_embedding_check(index_dtype), _embedding_sort(index_dtype), _embedding_table(dtype),
+            _embedding_order(index_dtype), _embedding_rows(dtype, index_dtype)]
 
 
 BUILDERS = {

@@ -235,6 +235,19 @@ def _layer_norm_backward(plan, dy, x, mean, rstd, gamma):
     return p.returns(dx, dgamma, dbeta)
 
 
+def hardswish_node_pieces(dtype: torch.dtype) -> list[int]:
+    """The native Hardswish node's pieces (autograd.cpp): forward ``(x, y)`` and backward ``(g, x, dx)``, each over
+    a span of items."""
+    return [_hardswish_forward(dtype), _hardswish_grad(dtype)]
+
+
+def layer_norm_node_pieces(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> list[int]:
+    """The native LayerNorm node's pieces (autograd.cpp): the forward rows, the fused backward's row blocks, and the
+    float32 fold of their partials - the direct calls' layer_norm / layer_norm_backward pieces."""
+    return [_layer_norm_rows(dtype, gamma_dtype, beta_dtype), _layer_norm_blocks(dtype, gamma_dtype),
+            _fold(torch.float32)]
+
+
 BUILDERS = {
     "hardswish": _hardswish, "hardswish_backward": _hardswish_backward, "rms_norm": _rms_norm,
     "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm, "layer_norm_grad": _layer_norm_grad,

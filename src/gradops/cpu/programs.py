@@ -7,7 +7,9 @@ array: addresses, integers, float64 bits) run over work items ``[lo, hi)``, and 
 threads. The pieces call the same per-row / per-block / per-chunk functions as the Python path, and no split
 changes which function computes which bits: the results are the Python path's bits (tests/test_direct_native.py).
 A piece that finds a value the op refuses (an index outside the table, a negative rstd) returns its position, and
-the call goes back to the Python path, which raises the op's OpError.
+the call goes back to the Python path, which raises the op's OpError. The native autograd nodes (autograd.cpp) run
+the same pieces (``*_node_pieces`` in :mod:`~gradops.cpu.program_norms` and :mod:`~gradops.cpu.program_index`): one
+calling convention and one compiled copy of each kernel piece for everything the extension runs.
 
 No program (None) where the Python path does something a program does not: an empty dimension, statistics in a
 dtype the Python path first converts to float32, indices of a dtype it converts. Those calls keep the Python path.

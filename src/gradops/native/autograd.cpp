@@ -5,7 +5,7 @@
 // CI VM, 2026-11-23: 106-116 µs against 78-88), so no Python autograd path can come within 1.25x of torch at
 // small sizes. These nodes are C++ autograd nodes written as torch's generated ones are (see HardswishBackward for
 // why not torch::autograd::Function) whose forward and backward call gradops' compiled CPU kernels: numba cfuncs,
-// handed over as addresses (gradops.cpu.c_abi, whose signatures are the function-pointer types below), each a
+// handed over as addresses (gradops.cpu.programs' pieces, the calling convention of gradops::PieceFn), each a
 // serial piece of the kernel that the nodes split over torch's own intra-op threads (at::parallel_for: one thread
 // pool for gradops' kernels and ATen's; numba's would be a second OpenMP runtime whose threads compete with
 // torch's for the cores). The same kernels as the Python path, the same operation order: the same bits.
@@ -57,7 +57,9 @@ using gradops::addr;
 using gradops::forked;
 using gradops::kParallelMin;
 using gradops::output;
+using gradops::call;
 using gradops::parallel;
+using gradops::PieceFn;
 using torch::autograd::variable_list;
 
 bool gradops::forked = false;
@@ -66,11 +68,11 @@ PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 namespace {
 
 // Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS; table rows per block of the embedding
-// backward: gradops.cpu.c_abi.EMBEDDING_ROWS (checked by the same test).
+// backward: gradops.cpu.embedding's block rows (checked by the same test).
 constexpr int64_t kRowBlocks = 64;
 constexpr int64_t kTableRows = 64;
 
-// A node's kernels, addresses in the order gradops.cpu.c_abi returns them.
+// A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
 using Kernels = std::vector<int64_t>;
 
 // ``f(lo, hi)`` over [0, n), in one piece below kParallelMin items. Element i belongs to one piece whatever the
@@ -79,23 +81,6 @@ template <class F>
 void split(int64_t n, const F& f) {
   parallel(0, n, kParallelMin, f);
 }
-
-// The kernels' C entry points (numba cfuncs), by signature.
-using ElementwiseFn = void (*)(int64_t x, int64_t y, int64_t n);
-using ElementwiseGradFn = void (*)(int64_t g, int64_t x, int64_t out, int64_t n);
-using LayerNormFn = void (*)(int64_t x, int64_t gamma, int64_t beta, double eps, int64_t y, int64_t mean,
-                             int64_t var, int64_t m, int64_t n);
-using LayerNormBlocksFn = void (*)(int64_t dy, int64_t x, int64_t mean, int64_t rstd, int64_t gamma, int64_t dx,
-                                   int64_t pg, int64_t pb, int64_t m, int64_t n, int64_t blocks, int64_t b0, int64_t b1);
-using FoldFn = void (*)(int64_t pg, int64_t pb, int64_t dgamma, int64_t dbeta, int64_t blocks, int64_t n);
-// The embedding's pieces return -1, or the first position of an index outside the table.
-using CheckFn = int64_t (*)(int64_t idx, int64_t n, int64_t v);
-using SortFn = int64_t (*)(int64_t idx, int64_t n, int64_t v, int64_t offsets, int64_t order);
-using TableBlocksFn = int64_t (*)(int64_t grad, int64_t offsets, int64_t order, int64_t padding, int64_t scale,
-                                  int64_t out, int64_t n, int64_t e, int64_t v, int64_t c0, int64_t c1);
-using OrderFn = int64_t (*)(int64_t idx, int64_t n, int64_t v, int64_t order);
-using SegmentsFn = int64_t (*)(int64_t grad, int64_t idx, int64_t order, int64_t padding, int64_t scale, int64_t out,
-                               int64_t n, int64_t e, int64_t v, int64_t p0, int64_t p1);
 
 enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
 
@@ -276,25 +261,23 @@ namespace gradops_native {
 // functions' (gradops.hardswish, gradops.hardswish_backward when nothing records them, so that a function between
 // ATen ops does not wake numba's second thread pool, whose spinning threads and torch's then share two cores:
 // hardswish_backward at 4096 x 1024 fp32 was 1.37x ATen's between ATen calls, CI VM 2026-11-24).
-Tensor hardswish_values(const Tensor& x, ElementwiseFn kernel) {
+Tensor hardswish_values(const Tensor& x, PieceFn forward) {
   Tensor y = output(x.sizes(), x.options());
-  const int64_t size = x.element_size();
-  split(x.numel(), [&](int64_t lo, int64_t hi) { kernel(addr(x) + lo * size, addr(y) + lo * size, hi - lo); });
+  const std::array<int64_t, 2> args{addr(x), addr(y)};
+  split(x.numel(), [&](int64_t lo, int64_t hi) { call(forward, args, lo, hi); });
   return y;
 }
 
-Tensor hardswish_grad(const Tensor& g, const Tensor& x, ElementwiseGradFn kernel) {
+Tensor hardswish_grad(const Tensor& g, const Tensor& x, PieceFn backward) {
   Tensor dx = output(x.sizes(), x.options());
-  const int64_t size = x.element_size();
-  split(x.numel(), [&](int64_t lo, int64_t hi) {
-    kernel(addr(g) + lo * size, addr(x) + lo * size, addr(dx) + lo * size, hi - lo);
-  });
+  const std::array<int64_t, 3> args{addr(g), addr(x), addr(dx)};
+  split(x.numel(), [&](int64_t lo, int64_t hi) { call(backward, args, lo, hi); });
   return dx;
 }
 
 struct HardswishBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable self_;
-  ElementwiseGradFn kernel_ = nullptr;
+  PieceFn kernel_ = nullptr;
 
   std::string name() const override { return "gradops_native::HardswishBackward"; }
   void release_variables() override { self_.reset_data(); }
@@ -310,12 +293,12 @@ struct HardswishBackward : public torch::autograd::Node {
 
 // Hardswish of a contiguous x, recorded when x requires grad (the caller checked grad mode: see recordable).
 Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
-  Tensor y = hardswish_values(x, reinterpret_cast<ElementwiseFn>(kernels[0]));
+  Tensor y = hardswish_values(x, reinterpret_cast<PieceFn>(kernels[0]));
   if (at::GradMode::is_enabled() && x.requires_grad()) {
     NodeRef ref = make_node<HardswishBackward>();
     auto* node = static_cast<HardswishBackward*>(ref.get());
     node->self_ = torch::autograd::SavedVariable(x, /*is_output=*/false);
-    node->kernel_ = reinterpret_cast<ElementwiseGradFn>(kernels[1]);
+    node->kernel_ = reinterpret_cast<PieceFn>(kernels[1]);
     record(ref, y, x);
   }
   return y;
@@ -327,8 +310,8 @@ struct LayerNormBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable x_, gamma_, mean_, var_;
   double eps_ = 0.0;
   at::ScalarType beta_dtype_ = at::kFloat;
-  LayerNormBlocksFn blocks_ = nullptr;
-  FoldFn fold_ = nullptr;
+  PieceFn blocks_ = nullptr;
+  PieceFn fold_ = nullptr;
 
   std::string name() const override { return "gradops_native::LayerNormBackward"; }
   void release_variables() override {
@@ -368,11 +351,12 @@ struct LayerNormBackward : public torch::autograd::Node {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kRowBlocks, m));
     Tensor pg = at::empty({blocks, n}, f32);
     Tensor pb = at::empty({blocks, n}, f32);
-    parallel(0, blocks, m * n < kParallelMin ? blocks : 1, [&](int64_t b0, int64_t b1) {
-      blocks_(addr(dy), addr(x), addr(mean), addr(rstd), addr(gamma), addr(dx), addr(pg), addr(pb), m, n, blocks, b0,
-              b1);
-    });
-    fold_(addr(pg), addr(pb), addr(dgamma), addr(dbeta), blocks, n);
+    const std::array<int64_t, 11> args{addr(dy), addr(x), addr(mean), addr(rstd), addr(gamma), addr(dx),
+                                       addr(pg), addr(pb), m, n, blocks};
+    parallel(0, blocks, m * n < kParallelMin ? blocks : 1,
+             [&](int64_t b0, int64_t b1) { call(blocks_, args, b0, b1); });
+    call(fold_, std::array<int64_t, 4>{addr(pg), addr(dgamma), blocks, n}, 0, 1);
+    call(fold_, std::array<int64_t, 4>{addr(pb), addr(dbeta), blocks, n}, 0, 1);
     return {dx, dgamma.to(gamma.scalar_type()), dbeta.to(beta_dtype_)};
   }
 };
@@ -385,12 +369,10 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
   at::TensorOptions f32 = x.options().dtype(at::kFloat);
   Tensor mean = at::empty({m}, f32);
   Tensor var = at::empty({m}, f32);
-  const int64_t size = x.element_size();
-  parallel(0, m, (kParallelMin + n - 1) / n, [&](int64_t lo, int64_t hi) {
-    reinterpret_cast<LayerNormFn>(kernels[0])(addr(x) + lo * n * size, addr(gamma), addr(beta), eps,
-                                              addr(y) + lo * n * size, addr(mean) + lo * 4, addr(var) + lo * 4, hi - lo,
-                                              n);
-  });
+  const std::array<int64_t, 9> args{addr(x), addr(gamma), addr(beta), addr(y), addr(mean), addr(var), m, n,
+                                    gradops::float_bits(eps)};
+  parallel(0, m, (kParallelMin + n - 1) / n,
+           [&](int64_t lo, int64_t hi) { call(reinterpret_cast<PieceFn>(kernels[0]), args, lo, hi); });
   if (at::GradMode::is_enabled() && (x.requires_grad() || gamma.requires_grad() || beta.requires_grad())) {
     NodeRef ref = make_node<LayerNormBackward>();
     auto* node = static_cast<LayerNormBackward*>(ref.get());
@@ -400,8 +382,8 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     node->var_ = torch::autograd::SavedVariable(var, false);
     node->eps_ = eps;
     node->beta_dtype_ = beta.scalar_type();
-    node->blocks_ = reinterpret_cast<LayerNormBlocksFn>(kernels[1]);
-    node->fold_ = reinterpret_cast<FoldFn>(kernels[2]);
+    node->blocks_ = reinterpret_cast<PieceFn>(kernels[1]);
+    node->fold_ = reinterpret_cast<PieceFn>(kernels[2]);
     record(ref, y, x, gamma, beta);
   }
   return y;
@@ -412,10 +394,10 @@ struct EmbeddingBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable indices_;
   int64_t num_weights_ = 0, padding_ = -1;
   bool scale_ = false;
-  SortFn sort_ = nullptr;
-  TableBlocksFn blocks_ = nullptr;
-  OrderFn sparse_order_ = nullptr;
-  SegmentsFn sparse_rows_ = nullptr;
+  PieceFn sort_ = nullptr;
+  PieceFn blocks_ = nullptr;
+  PieceFn sparse_order_ = nullptr;
+  PieceFn sparse_rows_ = nullptr;
 
   std::string name() const override { return "gradops_native::EmbeddingBackward"; }
   void release_variables() override { indices_.reset_data(); }
@@ -435,23 +417,22 @@ struct EmbeddingBackward : public torch::autograd::Node {
     if (n < v) {  // few indices in a large table: zero it (torch's parallel fill), then the touched rows
       table.zero_();
       Tensor order = at::empty({n}, i64);
-      bad = sparse_order_(addr(idx), n, v, addr(order));
+      bad = call(sparse_order_, std::array<int64_t, 4>{addr(idx), addr(order), n, v}, 0, 1);
       if (bad < 0 && e > 0) {  // runs of equal indices split over the threads by their first sorted position
+        const std::array<int64_t, 9> args{addr(grad), addr(idx), addr(order), addr(table), n, e, v, padding_, scale_};
         parallel(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, kParallelMin / e),
-                         [&](int64_t p0, int64_t p1) {
-                           sparse_rows_(addr(grad), addr(idx), addr(order), padding_, scale_, addr(table), n, e, v,
-                                        p0, p1);
-                         });
+                 [&](int64_t p0, int64_t p1) { call(sparse_rows_, args, p0, p1); });
       }
     } else {  // the counting sort, then every row of the table once, in fixed blocks of rows
       Tensor offsets = at::empty({v + 1}, i64);
       Tensor order = at::empty({n}, i64);
-      bad = sort_(addr(idx), n, v, addr(offsets), addr(order));
+      bad = call(sort_, std::array<int64_t, 5>{addr(idx), addr(offsets), addr(order), n, v}, 0, 1);
       if (bad < 0 && v > 0 && e > 0) {
         const int64_t blocks = (v + kTableRows - 1) / kTableRows;
-        parallel(0, blocks, v * e < kParallelMin ? blocks : 1, [&](int64_t c0, int64_t c1) {
-          blocks_(addr(grad), addr(offsets), addr(order), padding_, scale_, addr(table), n, e, v, c0, c1);
-        });
+        const std::array<int64_t, 9> args{addr(grad), addr(offsets), addr(order), addr(table), n, e, v, padding_,
+                                          scale_};
+        parallel(0, blocks, v * e < kParallelMin ? blocks : 1,
+                 [&](int64_t c0, int64_t c1) { call(blocks_, args, c0, c1); });
       }
     }
     // An index outside the table: the saved indices were changed behind autograd's back (.data, numpy). The op
@@ -466,7 +447,9 @@ struct EmbeddingBackward : public torch::autograd::Node {
 Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale,
                       const Kernels& kernels) {
   const int64_t n = indices.numel(), v = weight.size(0), e = weight.size(1);
-  if (reinterpret_cast<CheckFn>(kernels[0])(addr(indices), n, v) >= 0) return Tensor();
+  if (call(reinterpret_cast<PieceFn>(kernels[0]), std::array<int64_t, 3>{addr(indices), n, v}, 0, 1) >= 0) {
+    return Tensor();
+  }
   std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
   shape.push_back(e);
   Tensor y = output(shape, weight.options());
@@ -482,10 +465,10 @@ Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t paddi
     node->num_weights_ = v;
     node->padding_ = padding;
     node->scale_ = scale;
-    node->sort_ = reinterpret_cast<SortFn>(kernels[1]);
-    node->blocks_ = reinterpret_cast<TableBlocksFn>(kernels[2]);
-    node->sparse_order_ = reinterpret_cast<OrderFn>(kernels[3]);
-    node->sparse_rows_ = reinterpret_cast<SegmentsFn>(kernels[4]);
+    node->sort_ = reinterpret_cast<PieceFn>(kernels[1]);
+    node->blocks_ = reinterpret_cast<PieceFn>(kernels[2]);
+    node->sparse_order_ = reinterpret_cast<PieceFn>(kernels[3]);
+    node->sparse_rows_ = reinterpret_cast<PieceFn>(kernels[4]);
     record(ref, y, weight);
   }
   return y;
@@ -580,7 +563,7 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
   return nullptr;
 }
 
-// The number of kernels each op's node calls (gradops.cpu.c_abi): a node indexes them unchecked.
+// The number of kernel pieces each op's node calls (gradops.cpu.programs): a node indexes them unchecked.
 constexpr size_t kKernelCount[kOps] = {2, 3, 5};
 
 void check_kernels(Op op, const Kernels& kernels) {
@@ -669,13 +652,13 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
 
 Tensor hardswish_function(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
-  return gradops_native::hardswish_values(x, reinterpret_cast<ElementwiseFn>(kernels[0]));
+  return gradops_native::hardswish_values(x, reinterpret_cast<PieceFn>(kernels[0]));
 }
 
 Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
-  return gradops_native::hardswish_grad(g, x, reinterpret_cast<ElementwiseGradFn>(kernels[1]));
+  return gradops_native::hardswish_grad(g, x, reinterpret_cast<PieceFn>(kernels[1]));
 }
 
 void set_differentiable(int64_t op, py::object fn) {

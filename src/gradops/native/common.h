@@ -6,13 +6,32 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
 
 namespace gradops {
 
 namespace py = pybind11;
 
 inline int64_t addr(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
+
+// A kernel piece (gradops.cpu.programs: a numba cfunc): reads its arguments from the int64 array at ``args``
+// (addresses, integers, float64 bits), runs its work items [lo, hi); returns -1, or a position whose value the op
+// refuses. The one calling convention of every compiled kernel the extension runs, nodes and direct calls alike.
+using PieceFn = int64_t (*)(int64_t args, int64_t lo, int64_t hi);
+
+template <size_t N>
+int64_t call(PieceFn fn, const std::array<int64_t, N>& args, int64_t lo, int64_t hi) {
+  return fn(reinterpret_cast<int64_t>(args.data()), lo, hi);
+}
+
+// A float64 as the int64 bits a piece reads it from.
+inline int64_t float_bits(double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
 
 // Items below which a kernel runs on the calling thread: gradops.cpu._host.PARALLEL_MIN (tests/test_native.py checks
 // they agree), about the work where a parallel region pays for itself.

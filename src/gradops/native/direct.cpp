@@ -26,7 +26,6 @@
 
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -37,9 +36,7 @@ namespace {
 namespace py = pybind11;
 using at::Tensor;
 
-// A kernel piece: reads its arguments from the int64 array at ``args`` (addresses, integers, float64 bits), runs
-// its work items [lo, hi); returns -1, or a position whose value the op refuses.
-using PieceFn = int64_t (*)(int64_t args, int64_t lo, int64_t hi);
+using gradops::PieceFn;
 
 // What a step argument is: the address of the call's input i, of output i, of scratch buffer i, or the value itself.
 enum Slot : int64_t { kInput = 0, kOutput = 1, kScratch = 2, kValue = 3 };
@@ -106,11 +103,8 @@ bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>&
       key.push_back(kInt);
       key.push_back(value);
     } else if (type == &PyFloat_Type) {
-      const double value = PyFloat_AS_DOUBLE(a);
-      int64_t bits;
-      std::memcpy(&bits, &value, sizeof bits);
       key.push_back(kFloat);
-      key.push_back(bits);
+      key.push_back(gradops::float_bits(PyFloat_AS_DOUBLE(a)));
     } else {
       return false;
     }

@@ -212,9 +212,9 @@ def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: i
     node = native.node("embedding", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import c_abi
+    from ..cpu import program_index
 
-    return node, list(c_abi.embedding(weight.dtype, indices.dtype))
+    return node, program_index.embedding_node_pieces(weight.dtype, indices.dtype)
 
 
 # The lookup's plan for the node: its check, and the backend of the backward the node runs (float64 weight: none).

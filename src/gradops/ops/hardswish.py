@@ -19,9 +19,9 @@ def _native_entry(choice, shape, x: Tensor):
     node = native.node("hardswish", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import c_abi
+    from ..cpu import program_norms
 
-    return node, list(c_abi.hardswish(x.dtype))
+    return node, program_norms.hardswish_node_pieces(x.dtype)
 
 
 def _function_entry(name: str):
@@ -32,9 +32,9 @@ def _function_entry(name: str):
         fn = native.function(name)
         if fn is None:
             return None
-        from ..cpu import c_abi
+        from ..cpu import program_norms
 
-        return fn, list(c_abi.hardswish(args[-1].dtype))
+        return fn, program_norms.hardswish_node_pieces(args[-1].dtype)
 
     return entry
 

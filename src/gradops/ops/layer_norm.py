@@ -39,9 +39,9 @@ def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon
     node = native.node("layer_norm", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import c_abi
+    from ..cpu import program_norms
 
-    return node, list(c_abi.layer_norm(x.dtype, gamma.dtype, beta.dtype))
+    return node, program_norms.layer_norm_node_pieces(x.dtype, gamma.dtype, beta.dtype)
 
 
 plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
