@@ -284,3 +284,29 @@ def test_pool_recycles_only_dead_outputs(monkeypatch):
     assert d.dtype == torch.bfloat16 and d.shape == shape
     del d
     assert pool.free_bytes() == 0  # pool off: nothing kept
+
+
+def test_pool_floor_and_block_alignment(monkeypatch):
+    """Below the floor in force (the extension's 128 KiB once it serves the pool, else 1 MiB) outputs are plain
+    tensors; from it on they recycle. The extension's blocks are page-aligned mappings of their own, 2 MiB-aligned
+    (for transparent huge pages) from 4 MiB on."""
+    monkeypatch.setenv(pool.ENV, "64")
+    pool.clear()
+    floor = pool.NATIVE_MIN_BYTES if pool._native is not None else pool.MIN_BYTES
+    below = pool.empty((floor // 4 - 1,), torch.float32)
+    del below
+    assert pool.free_bytes() == 0
+    at = pool.empty((floor // 4,), torch.float32)
+    address = at.data_ptr()
+    del at
+    assert pool.free_bytes() == floor
+    again = pool.empty((floor // 4,), torch.float32)
+    assert again.data_ptr() == address
+    if pool._native is not None:
+        assert address % 4096 == 0
+        huge = pool.empty((1 << 20,), torch.float32)  # 4 MiB
+        assert huge.data_ptr() % (2 << 20) == 0
+        huge.fill_(2.0)  # the whole mapping is writable
+        assert huge.sum().item() == 2 << 20
+    del again
+    assert gradops.empty_cache() >= floor

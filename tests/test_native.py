@@ -80,12 +80,14 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
 
 
 def test_thresholds_agree_with_the_python_path():
-    """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies)."""
-    from gradops.cpu import _host, embedding
+    """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies), and the output pool
+    serves from the floor gradops.cpu._pool tests before asking it."""
+    from gradops.cpu import _host, _pool, embedding
 
     ext = native.module()
     assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.TABLE_ROWS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS,
                                                                    embedding._ROWS)
+    assert ext.POOL_MIN == _pool.NATIVE_MIN_BYTES
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])
