@@ -34,6 +34,11 @@ ROW_BLOCKS = 64
 #: per-row / per-block function, and the choice depends on the shape only.
 PARALLEL_MIN = 1 << 15
 
+#: Items per task of the Python path's parallel row loops (rows of a row-range kernel per prange iteration): 16 Ki,
+#: hardswish's chunk, so that a 2048 x 512 input still gives 64 tasks for 64 threads while a task's start (a call
+#: and a few slices) stays small against its ~5 µs of work.
+TASK_ITEMS = 1 << 14
+
 
 def dense(t: Tensor) -> Tensor:
     """``t`` when it is contiguous, else a contiguous copy (the caller keeps it alive while a kernel reads its

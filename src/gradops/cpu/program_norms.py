@@ -9,11 +9,17 @@ from ._host import PARALLEL_MIN, row_blocks
 from ._reduce import fold_partials
 from ._views import F32, view1, view2
 from .hardswish import _hardswish_backward_chunk, _hardswish_chunk
-from .layer_norm import _backward_block, _first_below, _grad_beta_block, _layer_norm_grad_row, _layer_norm_row
+from .layer_norm import (
+    _backward_block,
+    _first_below,
+    _grad_beta_block,
+    _layer_norm_grad_row_range,
+    _layer_norm_row_range,
+)
 from .programs import F64 as _F64
 from .programs import I64 as _I64
 from .programs import Program, arg, blocks_grain, piece, rows_grain
-from .rms_norm import _rms_norm_grad_block, _rms_norm_row
+from .rms_norm import _rms_norm_grad_block, _rms_norm_row_range
 
 
 # ---------------------------------------------------------------- Hardswish
@@ -63,8 +69,7 @@ def _rms_norm_rows(s, gs):
         m, n = a[4], a[5]
         x, gamma, y, rstd = view2(a[0], s, m, n), view1(a[1], gs, n), view2(a[2], s, m, n), view1(a[3], F32, m)
         eps = np.float32(f[6])
-        for r in range(lo, hi):
-            _rms_norm_row(x, gamma, eps, y, rstd, r)
+        _rms_norm_row_range(x, gamma, eps, y, rstd, lo, hi)
         return -1
     return body
 
@@ -125,8 +130,7 @@ def _layer_norm_rows(s, gs, bs):
         x, y = view2(a[0], s, m, n), view2(a[3], s, m, n)
         gamma, beta, mean, var = view1(a[1], gs, n), view1(a[2], bs, n), view1(a[4], F32, m), view1(a[5], F32, m)
         eps = np.float32(f[8])
-        for r in range(lo, hi):
-            _layer_norm_row(x, gamma, beta, eps, y, mean, var, r)
+        _layer_norm_row_range(x, gamma, beta, eps, y, mean, var, lo, hi)
         return -1
     return body
 
@@ -139,8 +143,7 @@ def _layer_norm_grad_rows(s, gs):
         dy, x, pdx, res = view2(a[0], s, m, n), view2(a[1], s, m, n), view2(a[5], s, m, n), view2(a[6], s, m, n)
         var, mean, gamma = view1(a[2], F32, m), view1(a[3], F32, m), view1(a[4], gs, n)
         eps = np.float32(f[9])
-        for r in range(lo, hi):
-            _layer_norm_grad_row(dy, x, var, mean, gamma, eps, pdx, res, r)
+        _layer_norm_grad_row_range(dy, x, var, mean, gamma, eps, pdx, res, lo, hi)
         return -1
     return body
 

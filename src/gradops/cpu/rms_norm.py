@@ -13,32 +13,36 @@ from torch import Tensor
 
 from ..contract.rms_norm import RmsNormPlan
 from . import _pool
-from ._host import PARALLEL_MIN, dense, finish, output, row_blocks, safe_entry, scratch
+from ._host import PARALLEL_MIN, TASK_ITEMS, dense, finish, output, row_blocks, safe_entry, scratch
 from ._numeric import FASTMATH, ld, st
 from ._reduce import fold_partials
 from ._views import F32, STORAGE, view1, view2
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _rms_norm_row(x, gamma, eps, y, rstd, r):  # pragma: no cover - compiled
-    """``rstd[r] = 1/sqrt(mean_j x[r,j]^2 + eps)``, ``y[r,j] = x[r,j]·rstd[r]·gamma[j]`` for one row."""
+def _rms_norm_row_range(x, gamma, eps, y, rstd, lo, hi):  # pragma: no cover - compiled
+    """``rstd[r] = 1/sqrt(mean_j x[r,j]^2 + eps)``, ``y[r,j] = x[r,j]·rstd[r]·gamma[j]`` for rows lo..hi-1 (the loop
+    over rows inside, as in layer_norm._layer_norm_row_range: a call per row costs more than a short row)."""
     n = x.shape[1]
-    ss = np.float32(0.0)
-    for j in range(n):
-        v = ld(x, (r, j))
-        ss += v * v
-    s = np.float32(1.0) / np.sqrt(ss * (np.float32(1.0) / np.float32(n)) + eps)
-    rstd[r] = s
-    for j in range(n):
-        st(y, (r, j), ld(x, (r, j)) * s * ld(gamma, j))
+    for r in range(lo, hi):
+        ss = np.float32(0.0)
+        for j in range(n):
+            v = ld(x, (r, j))
+            ss += v * v
+        s = np.float32(1.0) / np.sqrt(ss * (np.float32(1.0) / np.float32(n)) + eps)
+        rstd[r] = s
+        for j in range(n):
+            st(y, (r, j), ld(x, (r, j)) * s * ld(gamma, j))
 
 
 @njit(parallel=True, cache=True)
 def _rms_norm_parallel(x, gamma, eps, y, rstd):  # pragma: no cover - compiled
-    """One row per iteration (no cross-row state, so any thread order gives the same bits). Bytes:
-    ``M·N·2s + 4M + N·s_g``."""
-    for r in prange(x.shape[0]):
-        _rms_norm_row(x, gamma, eps, y, rstd, r)
+    """Rows in tasks of :data:`TASK_ITEMS` items (no cross-row state, so any thread order gives the same bits).
+    Bytes: ``M·N·2s + 4M + N·s_g``."""
+    m = x.shape[0]
+    per = max(1, TASK_ITEMS // x.shape[1])
+    for c in prange((m + per - 1) // per):
+        _rms_norm_row_range(x, gamma, eps, y, rstd, c * per, min(m, c * per + per))
 
 
 @njit(cache=True)
@@ -48,8 +52,7 @@ def _rms_norm_entry(x_at, dtype, gamma_at, gamma_dtype, eps, y_at, rstd_at, m, n
     gamma, rstd = view1(gamma_at, gamma_dtype, n), view1(rstd_at, F32, m)
     eps = np.float32(eps)  # a Python float in (typed at once; np.float32 on the host costs 0.4 µs), rounded as numpy
     if m * n < PARALLEL_MIN:
-        for r in range(m):
-            _rms_norm_row(x, gamma, eps, y, rstd, r)
+        _rms_norm_row_range(x, gamma, eps, y, rstd, 0, m)
     else:
         _rms_norm_parallel(x, gamma, eps, y, rstd)
 
