@@ -13,9 +13,11 @@ line per module and dtype).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODULES = ("RMSNorm", "LayerNorm", "Hardswish", "Embedding")
 #: Embedding: rows are tokens, columns the embedding width; the table has this many rows.
 VOCAB = 32000
+
+
+#: glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def steady_malloc() -> str:
+    """Make this process's glibc malloc keep freed memory mapped; return what the records should say.
+
+    With glibc's defaults, freeing a tensor can trim the heap's top (or unmap a chunk above the dynamic mmap
+    threshold), and the next step's allocation of the same size takes its page faults again. Whether a step pays
+    that depends on what ran before it in the process, not on the op: on the CI VM (2026-11-24) torch.nn.LayerNorm
+    at 512 x 256 fp32 settled at 0 or at 54-62 faults per step (0.16 or 0.28 ms) from one process to the next,
+    and gradops' module swung the same way while its outputs came from malloc. A trim threshold of 1 GiB and a
+    fixed mmap threshold of 32 MiB (the largest glibc takes) keep every freed block mapped, as jemalloc and tcmalloc
+    do: the sweep then times the ops. gradops' own outputs from 128 KiB on come from its pool either way
+    (gradops/native/autograd.cpp). Elsewhere than glibc nothing is changed."""
+    if not sys.platform.startswith("linux"):
+        return "platform default"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        version = libc.gnu_get_libc_version().decode()
+    except (OSError, AttributeError):
+        return "platform default"  # musl or another libc: no mallopt to call
+    if libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20):
+        return f"glibc {version}: no trimming, mmap from 32 MiB"
+    return f"glibc {version} defaults"
 
 
 def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -94,7 +124,8 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
     if compile_twin:
         head += f" {'compile µs':>11} {'ratio':>6}"
     print(f"gradops bench --sweep on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"backend {env['gradops_backend']}; forward + backward per step, best round's mean", flush=True)
+          f"backend {env['gradops_backend']}" + (f", malloc {env['malloc']}" if "malloc" in env else "")
+          + "; forward + backward per step, best round's mean", flush=True)
     print(head + "\n" + "-" * len(head), flush=True)
     for name in MODULES:
         for dname in dtypes:
