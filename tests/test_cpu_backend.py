@@ -287,12 +287,11 @@ def test_pool_recycles_only_dead_outputs(monkeypatch):
 
 
 def test_pool_floor_and_block_alignment(monkeypatch):
-    """Below the floor in force (the extension's 128 KiB once it serves the pool, else 1 MiB) outputs are plain
-    tensors; from it on they recycle. The extension's blocks are page-aligned mappings of their own, 2 MiB-aligned
-    (for transparent huge pages) from 4 MiB on."""
+    """Below 1 MiB outputs are plain tensors; from it on they recycle. The extension's blocks are page-aligned
+    mappings of their own, 2 MiB-aligned (for transparent huge pages) from 4 MiB on."""
     monkeypatch.setenv(pool.ENV, "64")
     pool.clear()
-    floor = pool.NATIVE_MIN_BYTES if pool._native is not None else pool.MIN_BYTES
+    floor = pool.MIN_BYTES
     below = pool.empty((floor // 4 - 1,), torch.float32)
     del below
     assert pool.free_bytes() == 0

@@ -87,7 +87,7 @@ def test_thresholds_agree_with_the_python_path():
     ext = native.module()
     assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.TABLE_ROWS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS,
                                                                    embedding._ROWS)
-    assert ext.POOL_MIN == _pool.NATIVE_MIN_BYTES
+    assert ext.POOL_MIN == _pool.MIN_BYTES
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])

@@ -43,10 +43,10 @@ def steady_malloc() -> str:
     threshold), and the next step's allocation of the same size takes its page faults again. Whether a step pays
     that depends on what ran before it in the process, not on the op: on the CI VM (2026-11-24) torch.nn.LayerNorm
     at 512 x 256 fp32 settled at 0 or at 54-62 faults per step (0.16 or 0.28 ms) from one process to the next,
-    and gradops' module swung the same way while its outputs came from malloc. A trim threshold of 1 GiB and a
-    fixed mmap threshold of 32 MiB (the largest glibc takes) keep every freed block mapped, as jemalloc and tcmalloc
-    do: the sweep then times the ops. gradops' own outputs from 128 KiB on come from its pool either way
-    (gradops/native/autograd.cpp). Elsewhere than glibc nothing is changed."""
+    and gradops' module swung the same way (its 512 KiB outputs come from malloc too). A trim threshold of 1 GiB and
+    a fixed mmap threshold of 32 MiB (the largest glibc takes) keep every freed block below 32 MiB mapped, as
+    jemalloc and tcmalloc do: the sweep then times the ops. gradops' own outputs from 1 MiB on come from its pool
+    either way (gradops/native/autograd.cpp). Elsewhere than glibc nothing is changed."""
     if not sys.platform.startswith("linux"):
         return "platform default"
     try:

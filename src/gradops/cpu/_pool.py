@@ -9,7 +9,7 @@ Mechanics: a block is a numpy uint8 array owned by the pool. A caller gets a tor
 *view* of the block (``torch.from_numpy``); when torch frees the tensor's storage, the view dies and a weakref
 finalizer puts the block back on the free list. Nothing is ever reused while any tensor still points into it.
 
-Limits: blocks of at least :data:`MIN_BYTES` (:data:`NATIVE_MIN_BYTES` once gradops.native serves them); at
+Limits: blocks of at least :data:`MIN_BYTES`; at
 most ``GRADOPS_CPU_POOL_MB`` MiB (default 2048) of *free* blocks are kept (beyond that, a dying block is released
 to the OS); ``GRADOPS_CPU_POOL_MB=0`` turns the pool off (every output is a plain ``torch.empty``). The limit
 is read whenever a block dies, so lowering it keeps the blocks already held: :func:`clear` (public as
@@ -30,12 +30,9 @@ import torch
 from torch import Tensor
 
 ENV = "GRADOPS_CPU_POOL_MB"
-#: This module's floor: a numpy block and its finalizer cost ~10 µs per output, which smaller outputs' page faults
-#: do not repay.
+#: Below 1 MiB outputs come from malloc: a numpy block and its finalizer cost ~10 µs per output, and even the
+#: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/autograd.cpp).
 MIN_BYTES = 1 << 20
-#: The extension's floor (~1 µs per pooled output): glibc's default mmap threshold, from where a malloc'ed output may
-#: be fresh pages again every step (see gradops/native/autograd.cpp).
-NATIVE_MIN_BYTES = 1 << 17
 _VIEW = {torch.float32: (np.float32, None), torch.int32: (np.int32, None), torch.int64: (np.int64, None),
          torch.float16: (np.int16, torch.float16), torch.bfloat16: (np.uint16, torch.bfloat16)}
 
@@ -45,16 +42,13 @@ _free_bytes = 0
 #: gradops.native's extension once loaded: its C++ pool serves :func:`empty` from then on (same rules, ~1 µs per
 #: pooled tensor where this module's numpy blocks and finalizer cost ~10 on the CI VM), and the native nodes.
 _native = None
-#: The floor in force: :data:`MIN_BYTES`, or :data:`NATIVE_MIN_BYTES` once the extension serves the pool.
-_floor = MIN_BYTES
 
 
 def use_native(extension) -> None:
     """Serve pooled outputs from ``extension``'s pool (``pool_empty``, ``pool_clear``, ``pool_free_bytes``: see
     gradops/native/autograd.cpp) from now on; blocks this module held before stay here until :func:`clear`."""
-    global _native, _floor
+    global _native
     _native = extension
-    _floor = NATIVE_MIN_BYTES
 
 
 def limit_bytes() -> int:
@@ -106,9 +100,9 @@ def free_bytes() -> int:
 
 
 def empty_like(t: Tensor) -> Tensor:
-    """:func:`empty` of a contiguous ``t``'s shape and dtype; below the pool's floor ``torch.empty_like`` (1.2 µs at
+    """:func:`empty` of a contiguous ``t``'s shape and dtype; below :data:`MIN_BYTES` ``torch.empty_like`` (1.2 µs at
     8 x 8 fp32 on the CI VM, where ``torch.empty(shape, dtype=...)`` parses its arguments in 2.2)."""
-    if t.nbytes < _floor:
+    if t.nbytes < MIN_BYTES:
         return torch.empty_like(t)
     return empty(t.shape, t.dtype)
 
@@ -118,7 +112,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     # Small outputs first (most calls of a small model): one product, no environment read (math.prod: exact,
     # and 0.2 µs where np.prod takes 3 µs).
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _floor or dtype not in _VIEW or limit_bytes() <= 0:
+    if nbytes < MIN_BYTES or dtype not in _VIEW or limit_bytes() <= 0:
         # Sizes as separate ints: torch parses a tuple argument more slowly (1.3 µs against 2.1-3.5 for a 2-D
         # shape on the CI VM).
         return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)

@@ -127,12 +127,13 @@ variable_list python_backward(Op op, const variable_list& args, const Extra& ext
 // least kPoolMin bytes, at most GRADOPS_CPU_POOL_MB MiB of free blocks (default 2048; read whenever a block dies or
 // is asked for; 0 turns the pool off), exact sizes only.
 //
-// The floor is glibc's default mmap threshold, 128 KiB (the Python pool's 1 MiB pays for its ~10 µs per output only
-// from there): from that size on, a malloc'ed output is either a fresh mapping or heap memory whose release lets
-// free() trim the heap's top, so that the next step's allocation faults its pages in again. Measured on the CI VM
-// (2026-11-24), LayerNorm 512 x 256 fp32 forward + backward (512 KiB outputs) from malloc: steady states of 0 to
-// 72 page faults per step, 160 to 280 µs; from the pool: no faults.
-constexpr int64_t kPoolMin = 1 << 17;  // gradops.cpu._pool.NATIVE_MIN_BYTES
+// Why not from 128 KiB, glibc's default mmap threshold, where a malloc'ed output can already be fresh pages again
+// every step (as free() trims the heap's top)? Measured on the CI VM (2026-11-24): with that floor, LayerNorm
+// 512 x 256 fp32 forward + backward took no page faults where malloc had given it 0 to 72 per step; but `gradops
+// demo` (1024 x 96 activations: 384 KiB outputs) gained nothing - 1.02, 1.01, 0.96x torch against 1.00, 0.99,
+// 1.00x with the pool off in the same hour - since the rest of a model's tensors still come from malloc's heap,
+// and the pool would hold more blocks for it.
+constexpr int64_t kPoolMin = 1 << 20;  // gradops.cpu._pool.MIN_BYTES
 constexpr int64_t kPage = 4096;
 constexpr int64_t kHuge = 2 << 20;     // a transparent huge page
 constexpr int64_t kHugeMin = 4 << 20;  // numpy's threshold for advising them
@@ -725,7 +726,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_differentiable", &set_differentiable, "the Python backward of op for create_graph=True");
   m.def("recordable", &recordable, "whether a call on these arguments is eager, recorded, on plain tensors");
   m.def("set_plain_types", &set_plain_types, "torch.Tensor and torch.nn.Parameter (kept alive by torch)");
-  m.def("pool_empty", &pool_empty, "a contiguous CPU tensor from the output pool (128 KiB and more)");
+  m.def("pool_empty", &pool_empty, "a contiguous CPU tensor from the output pool (1 MiB and more)");
   m.def("pool_clear", &pool_clear, "free the pool's free blocks; their bytes");
   m.def("pool_free_bytes", &pool_free_bytes, "bytes in the pool's free blocks");
   m.def("remember", &remember, "the native node's kernels for calls with these tensors' metadata and scalar");
