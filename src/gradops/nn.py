@@ -126,7 +126,7 @@ class Hardswish(torch.nn.Hardswish):
     input."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.hardswish(x)
+        return ops.hardswish_output(x)
 
 
 class MoeTokenPermute(torch.nn.Module):

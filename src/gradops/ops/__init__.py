@@ -9,14 +9,13 @@ together per argument metadata. The op body and the ``out=`` path both run throu
 """
 
 from .embedding import embedding, embedding_dense_backward
-from .hardswish import hardswish, hardswish_backward
+from .hardswish import hardswish, hardswish_backward, hardswish_output
 from .layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta, layer_norm_output
 from .moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
 from .rms_norm import rms_norm, rms_norm_grad
 
 __all__ = [
-    "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
-    "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_output", "moe_token_permute", "moe_token_permute_grad",
-    "moe_token_unpermute", "moe_token_unpermute_grad", "rms_norm",
-    "rms_norm_grad",
+    "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "hardswish_output", "layer_norm",
+    "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_output", "moe_token_permute",
+    "moe_token_permute_grad", "moe_token_unpermute", "moe_token_unpermute_grad", "rms_norm", "rms_norm_grad",
 ]
