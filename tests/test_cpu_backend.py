@@ -224,6 +224,26 @@ def test_out_is_validated():
         gradops.hardswish(x.requires_grad_(), out=torch.empty(6, 32))
 
 
+# ---------------------------------------------------------------- the loops vectorize
+@pytest.mark.parametrize("storage", ["float32", "uint16", "int16"])  # float32, bfloat16 bits, float16 bits
+@pytest.mark.parametrize("name", ["_hardswish_chunk", "_hardswish_backward_chunk"])
+def test_elementwise_loops_vectorize(name, storage):
+    """LLVM vectorizes Hardswish's loops for every storage dtype. Until 2026-11-24 the backward's product sat inside
+    a conditional expression and its loop compiled scalar (3.1-3.5 ms for 4 Mi fp32 items on one thread against 1.2
+    vectorized) while its docstring said it vectorized; a memory-bound 4096 x 1024 backward was 1.2x ATen's."""
+    import re
+
+    import numba
+    import numpy as np
+
+    kernel = getattr(importlib.import_module("gradops.cpu.hardswish"), name)
+    # A fresh compile of the same function and flags: numba cannot show the code of what it loaded from its cache.
+    fresh = numba.njit(**{k: v for k, v in kernel.targetoptions.items() if k != "cache"})(kernel.py_func)
+    arrays = [np.zeros(64, dtype=storage) for _ in range(3 if "backward" in name else 2)]
+    fresh(*arrays)
+    assert re.search(r"<\d+ x float>", fresh.inspect_llvm(fresh.signatures[0]))
+
+
 # ---------------------------------------------------------------- workspace hook and output pool
 def test_workspace_hook_carves_scratch_and_checks_its_size():
     x, dy, g = torch.randn(100, 48), torch.randn(100, 48), torch.randn(48)

@@ -40,12 +40,16 @@ def _hardswish_chunk(x, y):  # pragma: no cover - compiled
 @njit(cache=True)
 def _hardswish_backward_chunk(g, x, out):  # pragma: no cover - compiled
     """``out = 0 if x < -3; g·(x·0.33333334 + 0.5) if -3 <= x <= 3; g otherwise`` (a NaN x passes g through),
-    written as two selects so the loop vectorizes."""
+    written as two selects between values computed unconditionally so the loop vectorizes: with the product inside
+    the conditional expression (a branch per element for LLVM) numba's loop stayed scalar, 3.1-3.5 ms for 4 Mi fp32
+    elements on one thread against 1.2 ms this way (CI VM, 2026-11-24; the same bits)."""
     for i in range(x.shape[0]):
         v = ld(x, i)
         gv = ld(g, i)
-        r = gv * (v * _THIRD + np.float32(0.5)) if v <= np.float32(3.0) else gv
-        st(out, i, np.float32(0.0) if v < np.float32(-3.0) else r)
+        r = gv * (v * _THIRD + np.float32(0.5))
+        inside = r if v <= np.float32(3.0) else gv
+        o = np.float32(0.0) if v < np.float32(-3.0) else inside
+        st(out, i, o)
 
 
 # The parallel loops hand zero-based slices to the chunk functions: indexing a slice from 0 lets numba drop the
