@@ -301,6 +301,13 @@ def test_module_refusals_are_op_errors_naming_the_argument():
     with pytest.raises(OpError) as info:
         gnn.moe_token_unpermute(permuted, sorted_indices, torch.rand(4, 3))
     assert (info.value.status, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "probs")
+    # Hardswish's module path goes to the native node first: a non-tensor or a refused dtype still gets the op's error
+    with pytest.raises(OpError) as info:
+        gnn.Hardswish()([1.0])
+    assert (info.value.status, info.value.op, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "hardswish", "self")
+    with pytest.raises(OpError) as info:
+        gnn.Hardswish()(torch.randn(3, dtype=torch.complex64, requires_grad=True))
+    assert (info.value.status, info.value.op, info.value.arg) == (ACLNN_ERR_PARAM_INVALID, "hardswish", "self.dtype")
 
 
 @pytest.mark.parametrize("make,shape,expected", [

@@ -141,7 +141,7 @@ def hardswish_output(x: Tensor) -> Tensor:
     """:func:`hardswish` as ``gradops.nn.Hardswish`` calls it: a recorded eager call on CPU goes to the native node
     straight away (the op's own dispatch in front of it cost ~0.6 µs more: the module's forward at 8 x 8 fp32 took
     3.9 µs that way against torch.nn.Hardswish's 3.3, CI VM 2026-11-24); every other call is :func:`hardswish`."""
-    if x.requires_grad:
+    if isinstance(x, Tensor) and x.requires_grad:  # anything else is hardswish's to refuse, with its OpError
         y = native_call("hardswish", plan_hardswish, (x,))
         if y is not None:
             return y
