@@ -137,10 +137,8 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
     A call whose plan the extension remembers is one C++ call after :func:`python_allows_native`; the first call of
     each argument metadata runs the Python call plan (validation, backend) and hands its answer to the extension.
     Under no_grad this costs one C call."""
-    # python_allows_native, written out: this runs in front of every recorded module call (each Python call and
-    # attribute lookup here, ~0.1-0.2 µs, is a share of a ~4 µs forward at 8 x 8).
-    if not torch.is_grad_enabled() or _missing or not _enabled or _is_compiling():  # under torch.compile: all dynamo
-        return None                                                                  # traces of the native path
+    if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
+        return None
     ext = native.module()
     if ext is None:
         return None
