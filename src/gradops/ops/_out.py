@@ -28,18 +28,26 @@ Spec = tuple[Sequence[int], torch.dtype]
 
 
 def _span(t: Tensor) -> tuple[int, int, int]:
-    """(storage id, first byte, one past the last byte) of the memory t can address."""
+    """(storage base address, first byte, one past the last byte) of the memory t can address; all 0 when empty.
+
+    The base is computed from the data pointer and the storage offset, which is what
+    ``t.untyped_storage().data_ptr()`` returns without building a storage object (~1.4 µs each: with five inputs
+    and three outs, the pairwise checks built 36 of them, 52 µs per call of layer_norm_backward(..., out=) on the
+    CI VM, 2026-11-24, against 29 µs for the whole call without out=)."""
     if t.numel() == 0:
         return (0, 0, 0)
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 1)
     start = t.data_ptr()
-    return (t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size())
+    size = t.element_size()
+    if t.is_contiguous():
+        end = start + t.numel() * size
+    else:
+        end = start + (sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 1) + 1) * size
+    return (start - t.storage_offset() * size, start, end)
 
 
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    sa, lo_a, hi_a = _span(a)
-    sb, lo_b, hi_b = _span(b)
-    return sa == sb and sa != 0 and lo_a < hi_b and lo_b < hi_a
+def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    """Whether two spans of :func:`_span` share a byte of one storage."""
+    return a[0] == b[0] and a[0] != 0 and a[1] < b[2] and b[1] < a[2]
 
 
 def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device, **inputs: Tensor | None
@@ -50,6 +58,8 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
     if len(outs) != len(specs) or (len(specs) > 1) != isinstance(out, (tuple, list)):
         raise fail(ACLNN_ERR_PARAM_INVALID, op, "out", what, type(out).__name__ if not isinstance(out, (tuple, list))
                    else f"{len(outs)} items")
+    spans: list[tuple[str, tuple[int, int, int]]] | None = None
+    out_spans: list[tuple[int, int, int]] = []
     for i, (t, (shape, dtype)) in enumerate(zip(outs, specs)):
         name = f"out[{i}]" if len(specs) > 1 else "out"
         if not isinstance(t, Tensor):
@@ -61,14 +71,18 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
         if t.device != device:
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.device", str(device), str(t.device))
         require_writable(op, name, t)
-        for arg, x in inputs.items():
-            if x is not None and _overlap(t, x):
+        span = _span(t)
+        if spans is None:  # each input's span once, when the first out needs them
+            spans = [(arg, _span(x)) for arg, x in inputs.items() if x is not None]
+        for arg, other in spans:
+            if _overlap(span, other):
                 raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"memory not shared with the input {arg}",
                            "an overlapping tensor")
-        for j in range(i):
-            if _overlap(t, outs[j]):
+        for j, other in enumerate(out_spans):
+            if _overlap(span, other):
                 raise fail(ACLNN_ERR_PARAM_INVALID, op, name, f"memory not shared with out[{j}]",
                            "an overlapping tensor")
+        out_spans.append(span)
     return tuple(outs)
 
 
