@@ -122,6 +122,12 @@ def module() -> ModuleType | None:
         _why = f"not built ({library} is missing): run python -m gradops.native"
         return None
     try:
+        from ..cpu import _pool  # the recycling pool the Python path's outputs come from
+    except ImportError as err:  # numba missing (gradops.cpu imports it): the extension's kernels are numba's too
+        _tried = False  # not final: numba may be importable at the next call (a test that hid it, undone)
+        _why = f"gradops.cpu cannot be imported ({err}): the extension runs numba's kernels"
+        return None
+    try:
         spec = importlib.util.spec_from_file_location(name(), library)
         assert spec is not None and spec.loader is not None
         loaded = importlib.util.module_from_spec(spec)
@@ -130,8 +136,6 @@ def module() -> ModuleType | None:
         _why = f"loading {library} failed: {type(err).__name__}: {err}"
         return None
     loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
-    from ..cpu import _pool  # no numba: the recycling pool the Python path's outputs come from
-
     _pool.use_native(loaded)
     _module, _why = loaded, "loaded"
     return _module
