@@ -82,13 +82,15 @@ def _prefer_256_bit_vectors() -> str | None:
     config = numba.config
     if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
         return None
-    from numba.core import registry
+    try:  # numba internals: where they moved, numba keeps its own choice (never a reason to lose the backend)
+        from numba.core import registry
+        from numba.core.codegen import get_host_cpu_features
 
-    if "_toplevel_target_context" in vars(registry.cpu_target):  # the code generator exists: too late
+        if "_toplevel_target_context" in vars(registry.cpu_target):  # the code generator exists: too late
+            return None
+        features = get_host_cpu_features()
+    except (ImportError, AttributeError, TypeError):
         return None
-    from numba.core.codegen import get_host_cpu_features
-
-    features = get_host_cpu_features()
     if "+avx512f" not in features.split(","):
         return None
     return features + ",+prefer-256-bit"
