@@ -210,3 +210,65 @@ def test_another_backend_keeps_the_python_path(monkeypatch):
     assert ext.direct(op, x) is None  # remembered as "the Python path" for this environment
     monkeypatch.delenv("GRADOPS_BACKEND")
     assert ext.direct(op, x) is ext.MISS  # another environment: planned afresh
+
+
+# ---------------------------------------------------------------- out=: the direct program writes into given tensors
+_VIA = ("hardswish", "hardswish_backward", "rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad",
+        "layer_norm_grad_beta", "layer_norm_backward", "embedding_dense_backward")  # run_into(..., via=...) sites
+
+
+def _out_like(result: tuple[torch.Tensor, ...], fill: float = 7.0) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.full_like(r, fill) for r in result)
+
+
+def _with_out(op: str, args: tuple, kwargs: dict, outs: tuple[torch.Tensor, ...]):
+    return _tuple(getattr(gradops, op)(*args, **kwargs, out=outs if len(outs) > 1 else outs[0]))
+
+
+@pytest.mark.parametrize("op,sample", [c for c in CASES if c.values[0] in _VIA])
+def test_out_writes_the_same_bits_in_place(op, sample):
+    """``out=`` gives the call's own bits, in the caller's tensors (returned as given), whichever path writes them;
+    where the call has a program, the direct program writes them (DirectOp.direct_into answers True)."""
+    expected = _python_path(op, sample.args, sample.kwargs)
+    outs = _out_like(expected)
+    versions = [o._version for o in outs]
+    got = _with_out(op, sample.args, sample.kwargs, outs)
+    assert all(g is o for g, o in zip(got, outs))
+    same(got, expected)
+    assert all(o._version > v for o, v in zip(outs, versions))
+    if _expects_program(op, _direct_args(op, sample)):
+        again = _out_like(expected)
+        assert _op(op).direct_into(again, *_direct_args(op, sample)) is True
+        same(again, expected)
+
+
+def test_out_fills_what_the_program_zeroes():
+    """The embedding table of few indices is zeroed by its program: a caller's out full of other values comes back
+    with zeros in the untouched rows, as from a call without out=."""
+    grad, idx = torch.randn(3, 4), torch.tensor([0, 9, 2])
+    expected = gradops.embedding_dense_backward(grad, idx, 50)
+    out = torch.full((50, 4), 7.0)
+    assert gradops.embedding_dense_backward(grad, idx, 50, out=out) is out
+    assert torch.equal(out, expected) and not out[1].any()
+
+
+@pytest.mark.parametrize("op,good,bad", [r for r in _REFUSALS if r[0] in _VIA],
+                         ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(_REFUSALS) if op in _VIA])
+def test_out_untouched_by_a_refused_value(op, good, bad):
+    """A value the op refuses raises its OpError and leaves the caller's out as it was: the programs' checks run
+    before any out is written (and before a zero-filled one is zeroed)."""
+    outs = _out_like(_tuple(getattr(gradops, op)(*good)))
+    _with_out(op, good, {}, outs)  # remembered, and run in place once
+    sentinel = _out_like(outs, 3.0)
+    with pytest.raises(OpError):
+        _with_out(op, bad, {}, sentinel)
+    assert all(torch.equal(s, torch.full_like(s, 3.0)) for s in sentinel)
+
+
+def test_out_not_contiguous_takes_the_python_path():
+    x = torch.randn(6, 8)
+    out = torch.empty(8, 6).t()
+    op = _op("hardswish")
+    assert op.direct_into((out,), x) is False
+    assert gradops.hardswish(x, out=out) is out
+    assert torch.equal(out, gradops.hardswish(x))

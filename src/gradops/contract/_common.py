@@ -146,6 +146,8 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     interleave), so that a result written into it would lose values. Exact: a quick sufficient test on the
     strides sorted ascending (each must step past everything the smaller ones reach), and, for the rare layouts
     it cannot clear, a count of distinct offsets (bounded: larger ones of that kind count as overlapping)."""
+    if t.is_contiguous():  # the common case, without the sort (~1.5 µs per out= tensor)
+        return False
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
     reach = 0  # the largest offset the dims so far reach
     for st, sz in dims:

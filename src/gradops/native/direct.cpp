@@ -121,13 +121,27 @@ const Program* find_program(int64_t op, const std::vector<int64_t>& key) {
   return nullptr;
 }
 
-// The program's outputs on the call's inputs, or None when a step refused a value.
-py::object run(const Program& p, const std::vector<const Tensor*>& inputs) {
-  std::vector<Tensor> outs, scratch;
-  outs.reserve(p.outputs.size());
-  for (const Buffer& b : p.outputs) {
-    outs.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
-    if (b.zero) outs.back().zero_();
+// The program's outputs on the call's inputs, or None when a step refused a value. ``given``: the caller's tensors
+// for the program's results (an ``out=`` call, see direct_into), written in place; then True, not the outputs.
+// A given output the program zero-fills is zeroed just before the first step that names it: the steps that can
+// refuse a value are checks that read the inputs and write scratch only, and they come first in every program
+// (gradops.cpu.program_norms / program_index), so a refused call leaves the caller's tensors as they were.
+py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
+               const std::vector<Tensor>* given = nullptr) {
+  std::vector<Tensor> outs(p.outputs.size()), scratch;
+  std::vector<char> zero_later(p.outputs.size(), 0);
+  if (given != nullptr) {
+    for (size_t i = 0; i < p.results.size(); ++i) {
+      const int64_t k = p.results[i];
+      outs[k] = (*given)[i];
+      zero_later[k] = p.outputs[k].zero;
+    }
+  }
+  for (size_t k = 0; k < outs.size(); ++k) {
+    if (outs[k].defined()) continue;
+    const Buffer& b = p.outputs[k];
+    outs[k] = gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype));
+    if (b.zero) outs[k].zero_();
   }
   scratch.reserve(p.scratch.size());
   for (const Buffer& b : p.scratch) {
@@ -138,6 +152,10 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs) {
     std::array<int64_t, kMaxArgs> values;
     for (size_t i = 0; i < s.args.size(); ++i) {
       const auto [slot, v] = s.args[i];
+      if (slot == kOutput && zero_later[v]) {
+        outs[v].zero_();
+        zero_later[v] = 0;
+      }
       values[i] = slot == kInput ? gradops::addr(*inputs[v])
                   : slot == kOutput ? gradops::addr(outs[v])
                   : slot == kScratch ? gradops::addr(scratch[v])
@@ -156,6 +174,10 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs) {
       bad = found.load();
     }
     if (bad >= 0) return py::none();
+  }
+  if (given != nullptr) {
+    for (const Tensor& t : *given) t.unsafeGetTensorImpl()->bump_version();  // written in place, as out= ops do
+    return py::bool_(true);
   }
   // Wrapping the outputs allocates Python objects, which can run a garbage collection whose finalizers call
   // gradops again and remember a program, moving this one: nothing of it is read from here on.
@@ -184,6 +206,43 @@ py::object direct(py::args args) {
   if (p == nullptr) return py::ellipsis();
   if (p->python) return py::none();
   return run(*p, tensors);
+}
+
+// direct_into(op, outs, *args): direct() writing the op's results into ``outs`` (a tuple, one tensor per result,
+// already validated by gradops.ops._out.check_out: shapes, dtypes, device, no overlap). True when done, None when
+// the call must take gradops' Python path (as direct(), or an out that is not a plain contiguous CPU tensor of the
+// result's dtype and size: the Python path copies into it), MISS when no program is remembered.
+py::object direct_into(py::args args) {
+  if (gradops::forked || !gradops::unwatched()) return py::none();
+  PyObject* tuple = args.ptr();
+  TORCH_CHECK(PyTuple_GET_SIZE(tuple) >= 2, "gradops.native.direct_into: no op id or outs");
+  const int64_t op = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 0));
+  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native.direct_into: unknown op ", op);
+  PyObject* given = PyTuple_GET_ITEM(tuple, 1);
+  TORCH_CHECK(PyTuple_Check(given), "gradops.native.direct_into: outs must be a tuple");
+  thread_local std::vector<int64_t> key;
+  thread_local std::vector<const Tensor*> tensors;
+  key.clear();
+  tensors.clear();
+  if (!key_of(tuple, 2, at::GradMode::is_enabled(), key, tensors)) return py::none();
+  const Program* p = find_program(op, key);
+  if (p == nullptr) return py::ellipsis();
+  if (p->python || static_cast<size_t>(PyTuple_GET_SIZE(given)) != p->results.size()) return py::none();
+  std::vector<Tensor> outs;
+  outs.reserve(p->results.size());
+  for (size_t i = 0; i < p->results.size(); ++i) {
+    PyObject* o = PyTuple_GET_ITEM(given, static_cast<Py_ssize_t>(i));
+    PyTypeObject* type = Py_TYPE(o);
+    if (type != gradops::plain_types[0] && type != gradops::plain_types[1]) return py::none();
+    const Tensor& t = THPVariable_Unpack(o);
+    const Buffer& b = p->outputs[p->results[i]];
+    if (gradops::foreign_tensor(t) || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
+        t.scalar_type() != b.dtype || t.numel() != c10::multiply_integers(b.sizes)) {
+      return py::none();
+    }
+    outs.push_back(t);
+  }
+  return run(*p, tensors, &outs);
 }
 
 at::ScalarType dtype_of(py::handle dtype) {
@@ -273,6 +332,8 @@ void gradops::register_direct(py::module_& m) {
   m.attr("MAX_ARGS") = static_cast<int64_t>(kMaxArgs);
   m.def("direct", &direct, "direct(op, *args): the public function's eager call from a remembered program, None "
         "(take the Python path) or MISS (no program for these argument metadata)");
+  m.def("direct_into", &direct_into, "direct_into(op, outs, *args): direct() writing the results into the tuple "
+        "outs; True, None (take the Python path) or MISS");
   m.def("remember_direct", &remember_direct, "the program of op for calls with these arguments' metadata");
   m.def("direct_op", &direct_op, "the direct-call id of the op called name");
 }

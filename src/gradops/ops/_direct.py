@@ -312,22 +312,52 @@ class DirectOp:
         ext = native.module()
         if ext is None:
             return None
-        known = self._direct_id
-        if known is not None and known[0] is ext:
-            op = known[1]
-        else:  # first call, or another extension loaded since (gradops.native.reset): ids are per extension
-            op = ext.direct_op(self.name)
-            self._direct_id = (ext, op)
+        op = self._op_id(ext)
         result = ext.direct(op, *args)
         if result is not ext.MISS:
             return result
+        if not self._remember(ext, op, args):
+            return None
+        result = ext.direct(op, *args)
+        return None if result is ext.MISS else result  # MISS cannot follow remember_direct; never hand it out
+
+    def direct_into(self, outs: tuple[Tensor, ...], *args: object) -> bool:
+        """:meth:`direct` writing the op's results into ``outs`` (validated by :func:`gradops.ops._out.check_out`),
+        for ``out=`` calls: True when done, False where the call takes the Python path (as :meth:`direct`, or an
+        out that is not a plain contiguous CPU tensor). The same program as a call without ``out=``, so the same
+        bits; a value the op refuses is found by the program's checks before any out is written."""
+        if self.planner is None or not _enabled or _is_compiling():
+            return False
+        ext = native.module()
+        if ext is None:
+            return False
+        op = self._op_id(ext)
+        result = ext.direct_into(op, outs, *args)
+        if result is ext.MISS:
+            if not self._remember(ext, op, args):
+                return False
+            result = ext.direct_into(op, outs, *args)
+        return result is True
+
+    def _op_id(self, ext: Any) -> int:
+        """The op's direct-call id in extension ``ext`` (ids are per extension: another one may have been loaded
+        since, see gradops.native.reset)."""
+        known = self._direct_id
+        if known is not None and known[0] is ext:
+            return known[1]
+        op = ext.direct_op(self.name)
+        self._direct_id = (ext, op)
+        return op
+
+    def _remember(self, ext: Any, op: int, args: tuple) -> bool:
+        """Plan a call with ``args``'s metadata (a refused call raises its OpError here) and hand its program to
+        the extension; False when there is none (the Python path runs such calls)."""
         program = self.planner.program_of(self.planner(*args), args)
         if program is None:
             ext.remember_direct(op, args, True, [], [], [], [], False)
-            return None
+            return False
         ext.remember_direct(op, args, *program.spec())
-        result = ext.direct(op, *args)
-        return None if result is ext.MISS else result  # MISS cannot follow remember_direct; never hand it out
+        return True
 
     def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
         """Run the op on positional ``args``.

@@ -107,7 +107,7 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         idx = checked_indices(indices, num_weights)
         args = ((grad.float() if widen else grad).reshape(plan.shape), idx, num_weights, padding_idx,
                 scale_grad_by_freq)
-        return run_into(plan.backend.fn, args, outs, [None])[0]
+        return run_into(plan.backend.fn, args, outs, [None], via=_embedding_dense_backward)[0]
     return _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 

@@ -133,7 +133,7 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
         plan = plan_hardswish(self)
         refuse_autograd("hardswish", self)
         outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
-        return run_into(plan.backend.fn, (self,), outs, [None])[0]
+        return run_into(plan.backend.fn, (self,), outs, [None], via=_hardswish)[0]
     return _hardswish(self, check=check_hardswish)
 
 
@@ -167,5 +167,5 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
         plan = plan_hardswish_backward(grad_output, self)
         outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, grad_output=grad_output,
                          self=self)
-        return run_into(plan.backend.fn, (grad_output, self), outs, [None])[0]
+        return run_into(plan.backend.fn, (grad_output, self), outs, [None], via=_hardswish_backward)[0]
     return _hardswish_backward(grad_output, self, check=check_hardswish_backward)

@@ -237,11 +237,16 @@ def layer_norm_output(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) ->
     return layer_norm(x, gamma, beta, epsilon)[0]
 
 
+#: Each op's DirectOp by name, for ``out=`` calls (their backend arguments are the op's own, 2-D).
+_DIRECT = {"layer_norm": _layer_norm, "layer_norm_grad": _layer_norm_grad,
+           "layer_norm_grad_beta": _layer_norm_grad_beta, "layer_norm_backward": _layer_norm_backward}
+
+
 def _into(op: str, plan, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
     """The ``out=`` path of every op here: validate out, write with the plan's backend (see
     :mod:`gradops.ops._out`)."""
     outs = check_out(op, out, specs, device, **inputs)
-    return run_into(plan.backend.fn, args, outs, shapes)
+    return run_into(plan.backend.fn, args, outs, shapes, via=_DIRECT[op])
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,

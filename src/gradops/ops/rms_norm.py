@@ -116,7 +116,8 @@ def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tenso
     refuse_autograd("rms_norm", x, gamma)
     outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, accumulator(x.dtype))], x.device, x=x,
                      gamma=gamma)
-    return run_into(backend.fn, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)])
+    return run_into(backend.fn, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)],
+                    via=_rms_norm)
 
 
 def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
@@ -125,7 +126,7 @@ def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out)
     outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, accumulator(dy.dtype))], x.device,
                      dy=dy, x=x, rstd=rstd, gamma=gamma)
     args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
-    return run_into(backend.fn, args, outs, [(rows, cols), (cols,)])
+    return run_into(backend.fn, args, outs, [(rows, cols), (cols,)], via=_rms_norm_grad)
 
 
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tensor, Tensor] | None = None
