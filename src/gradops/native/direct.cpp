@@ -188,46 +188,47 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
   return result;
 }
 
-// direct(op, *args): op's result on args from a remembered program; None when the call must take gradops' Python
-// path (see the top of this file); MISS (Ellipsis) when it could run here but no program is remembered for these
-// argument metadata (the caller plans it and calls remember_direct).
-py::object direct(py::args args) {
-  if (gradops::forked || !gradops::unwatched()) return py::none();
-  PyObject* tuple = args.ptr();
-  TORCH_CHECK(PyTuple_GET_SIZE(tuple) >= 1, "gradops.native.direct: no op id");
-  const int64_t op = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 0));
-  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native.direct: unknown op ", op);
+// The remembered program of op (the call's first argument) for the call arguments from ``first`` on, their tensors in
+// ``tensors``; nullptr with ``answer`` set to what the entry returns instead: None where the call must take
+// gradops' Python path (see the top of this file), MISS (Ellipsis) where it could run here but no program is
+// remembered for these argument metadata (the caller plans it and calls remember_direct).
+const Program* program_for(PyObject* call, Py_ssize_t first, std::vector<const Tensor*>& tensors, py::object& answer) {
+  answer = py::none();
+  if (gradops::forked || !gradops::unwatched()) return nullptr;
+  TORCH_CHECK(PyTuple_GET_SIZE(call) >= first, "gradops.native: a direct call without its op id or outs");
+  const int64_t op = PyLong_AsLongLong(PyTuple_GET_ITEM(call, 0));
+  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native: unknown direct op ", op);
   thread_local std::vector<int64_t> key;
-  thread_local std::vector<const Tensor*> tensors;
   key.clear();
   tensors.clear();
-  if (!key_of(tuple, 1, at::GradMode::is_enabled(), key, tensors)) return py::none();
+  if (!key_of(call, first, at::GradMode::is_enabled(), key, tensors)) return nullptr;
   const Program* p = find_program(op, key);
-  if (p == nullptr) return py::ellipsis();
-  if (p->python) return py::none();
-  return run(*p, tensors);
+  if (p == nullptr) {
+    answer = py::ellipsis();
+    return nullptr;
+  }
+  return p->python ? nullptr : p;
+}
+
+// direct(op, *args): op's result on args from a remembered program, or None / MISS (see program_for).
+py::object direct(py::args args) {
+  thread_local std::vector<const Tensor*> tensors;
+  py::object answer;
+  const Program* p = program_for(args.ptr(), 1, tensors, answer);
+  return p == nullptr ? answer : run(*p, tensors);
 }
 
 // direct_into(op, outs, *args): direct() writing the op's results into ``outs`` (a tuple, one tensor per result,
-// already validated by gradops.ops._out.check_out: shapes, dtypes, device, no overlap). True when done, None when
-// the call must take gradops' Python path (as direct(), or an out that is not a plain contiguous CPU tensor of the
-// result's dtype and size: the Python path copies into it), MISS when no program is remembered.
+// already validated by gradops.ops._out.check_out: shapes, dtypes, device, no overlap). True when done; None also
+// for an out that is not a plain contiguous CPU tensor of the result's dtype and size (the Python path copies into
+// it).
 py::object direct_into(py::args args) {
-  if (gradops::forked || !gradops::unwatched()) return py::none();
-  PyObject* tuple = args.ptr();
-  TORCH_CHECK(PyTuple_GET_SIZE(tuple) >= 2, "gradops.native.direct_into: no op id or outs");
-  const int64_t op = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 0));
-  TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native.direct_into: unknown op ", op);
-  PyObject* given = PyTuple_GET_ITEM(tuple, 1);
-  TORCH_CHECK(PyTuple_Check(given), "gradops.native.direct_into: outs must be a tuple");
-  thread_local std::vector<int64_t> key;
   thread_local std::vector<const Tensor*> tensors;
-  key.clear();
-  tensors.clear();
-  if (!key_of(tuple, 2, at::GradMode::is_enabled(), key, tensors)) return py::none();
-  const Program* p = find_program(op, key);
-  if (p == nullptr) return py::ellipsis();
-  if (p->python || static_cast<size_t>(PyTuple_GET_SIZE(given)) != p->results.size()) return py::none();
+  py::object answer;
+  const Program* p = program_for(args.ptr(), 2, tensors, answer);
+  if (p == nullptr) return answer;
+  PyObject* given = PyTuple_GET_ITEM(args.ptr(), 1);
+  if (!PyTuple_Check(given) || static_cast<size_t>(PyTuple_GET_SIZE(given)) != p->results.size()) return py::none();
   std::vector<Tensor> outs;
   outs.reserve(p->results.size());
   for (size_t i = 0; i < p->results.size(); ++i) {

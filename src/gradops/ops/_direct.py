@@ -307,12 +307,10 @@ class DirectOp:
         plan here - a refused call raises its OpError as the Python path would - and hands the plan's program (or
         "no program": another backend, an empty tensor) to the extension. None also when a kernel piece found a
         value the op refuses: the Python path then raises its OpError."""
-        if self.planner is None or not _enabled or _is_compiling():
+        found = self._extension()
+        if found is None:
             return None
-        ext = native.module()
-        if ext is None:
-            return None
-        op = self._op_id(ext)
+        ext, op = found
         result = ext.direct(op, *args)
         if result is not ext.MISS:
             return result
@@ -326,12 +324,10 @@ class DirectOp:
         for ``out=`` calls: True when done, False where the call takes the Python path (as :meth:`direct`, or an
         out that is not a plain contiguous CPU tensor). The same program as a call without ``out=``, so the same
         bits; a value the op refuses is found by the program's checks before any out is written."""
-        if self.planner is None or not _enabled or _is_compiling():
+        found = self._extension()
+        if found is None:
             return False
-        ext = native.module()
-        if ext is None:
-            return False
-        op = self._op_id(ext)
+        ext, op = found
         result = ext.direct_into(op, outs, *args)
         if result is ext.MISS:
             if not self._remember(ext, op, args):
@@ -339,15 +335,18 @@ class DirectOp:
             result = ext.direct_into(op, outs, *args)
         return result is True
 
-    def _op_id(self, ext: Any) -> int:
-        """The op's direct-call id in extension ``ext`` (ids are per extension: another one may have been loaded
-        since, see gradops.native.reset)."""
+    def _extension(self) -> tuple[Any, int] | None:
+        """The loaded extension and the op's direct-call id in it (ids are per extension: another one may have been
+        loaded since, see gradops.native.reset), or None where no direct call can run."""
+        if self.planner is None or not _enabled or _is_compiling():
+            return None
+        ext = native.module()
+        if ext is None:
+            return None
         known = self._direct_id
-        if known is not None and known[0] is ext:
-            return known[1]
-        op = ext.direct_op(self.name)
-        self._direct_id = (ext, op)
-        return op
+        if known is None or known[0] is not ext:
+            known = self._direct_id = (ext, ext.direct_op(self.name))
+        return known
 
     def _remember(self, ext: Any, op: int, args: tuple) -> bool:
         """Plan a call with ``args``'s metadata (a refused call raises its OpError here) and hand its program to
