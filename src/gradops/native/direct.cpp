@@ -176,6 +176,9 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
     if (bad >= 0) return py::none();
   }
   if (given != nullptr) {
+    for (size_t k = 0; k < outs.size(); ++k) {
+      if (zero_later[k]) outs[k].zero_();  // a zero-filled result no step named
+    }
     for (const Tensor& t : *given) t.unsafeGetTensorImpl()->bump_version();  // written in place, as out= ops do
     return py::bool_(true);
   }
