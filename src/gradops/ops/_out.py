@@ -117,9 +117,10 @@ def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequen
     ``shapes[i]`` is the shape the backend produces for result i (its 2-D view), None for "same as out[i]".
     ``via``: the op's :class:`gradops.ops._direct.DirectOp` when ``args`` are also the op's own arguments: with the
     native extension loaded, contiguous outs are then written in place by the op's direct program (one C++ call,
-    the kernels on torch's threads), as a call without ``out=`` runs: 2-4 µs at 8 x 8 fp32 where this Python path
-    took 12-39 (2026-11-24). Backends whose function takes ``out=`` write in place (a tuple for several results);
-    others, or an out without a contiguous view, get their result copied in.
+    the kernels on torch's threads), as a call without ``out=`` runs: a whole ``out=`` call at 8 x 8 fp32 then
+    costs 6-24 µs, most of it the checks above, where it took 12-39 on this Python path (2026-11-24). Backends whose
+    function takes ``out=`` write in place (a tuple for several results); others, or an out without a contiguous
+    view, get their result copied in.
     """
     if via is not None and via.direct_into(outs, *args):
         return outs
