@@ -285,3 +285,19 @@ def test_out_zeroed_where_no_step_writes_it():
     assert ext.direct_into(op, (out,), x) is True
     assert torch.equal(out, torch.zeros(4))
     assert torch.equal(ext.direct(op, x), torch.zeros(4))
+
+
+def test_out_inference_tensor_as_torch():
+    """An inference tensor as out: written inside inference mode; outside it refused before anything is written,
+    with torch's RuntimeError for in-place updates of inference tensors (torch.add(..., out=) raises it too)."""
+    x = torch.randn(8, 8)
+    with torch.inference_mode():
+        out = torch.full((8, 8), 3.0)
+        assert gradops.hardswish(x, out=out) is out
+    assert torch.equal(out, gradops.hardswish(x))
+    with torch.inference_mode():
+        out = torch.full((8, 8), 3.0)
+    for call in (lambda: gradops.hardswish(x, out=out), lambda: gradops.hardswish(x.t(), out=out)):
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            call()
+        assert torch.equal(out, torch.full((8, 8), 3.0))

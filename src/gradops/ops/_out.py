@@ -72,6 +72,10 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
         if t.device != device:
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.device", str(device), str(t.device))
         require_writable(op, name, t)
+        if t.is_inference() and not torch.is_inference_mode_enabled():  # torch's rule and words, before any write
+            raise RuntimeError(f"gradops.{op}: {name}: Inplace update to inference tensor outside InferenceMode is "
+                               "not allowed (as for torch's out= functions); make it outside inference mode, or call "
+                               "inside torch.inference_mode()")
         span = _span(t)
         if spans is None:  # each input's span once, when the first out needs them
             spans = [(arg, _span(x)) for arg, x in inputs.items() if x is not None]
