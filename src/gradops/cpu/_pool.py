@@ -9,12 +9,11 @@ Mechanics: a block is a numpy uint8 array owned by the pool. A caller gets a tor
 *view* of the block (``torch.from_numpy``); when torch frees the tensor's storage, the view dies and a weakref
 finalizer puts the block back on the free list. Nothing is ever reused while any tensor still points into it.
 
-Limits: blocks of at least :data:`MIN_BYTES`; at
-most ``GRADOPS_CPU_POOL_MB`` MiB (default 2048) of *free* blocks are kept (beyond that, a dying block is released
-to the OS); ``GRADOPS_CPU_POOL_MB=0`` turns the pool off (every output is a plain ``torch.empty``). The limit
-is read whenever a block dies, so lowering it keeps the blocks already held: :func:`clear` (public as
-``gradops.empty_cache()``) hands them back. Pooled tensors are ordinary CPU tensors except that their storage
-cannot be resized (``resize_`` to a larger size raises).
+Limits: blocks of at least :data:`MIN_BYTES`; at most ``GRADOPS_CPU_POOL_MB`` MiB (default 2048) of *free*
+blocks are kept (beyond that, a dying block is released to the OS); ``GRADOPS_CPU_POOL_MB=0`` turns the pool
+off (every output is a plain ``torch.empty``). The limit is read whenever a block dies, so lowering it keeps
+the blocks already held: :func:`clear` (public as ``gradops.empty_cache()``) hands them back. Pooled tensors
+are ordinary CPU tensors except that their storage cannot be resized (``resize_`` to a larger size raises).
 """
 
 from __future__ import annotations

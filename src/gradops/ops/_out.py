@@ -17,13 +17,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..contract._common import dtype_name, fail, require_writable, shape_text
 from ..status import ACLNN_ERR_PARAM_INVALID
+
+if TYPE_CHECKING:
+    from ._direct import DirectOp
 
 Spec = tuple[Sequence[int], torch.dtype]
 
@@ -115,7 +118,7 @@ def _view(t: Tensor, shape: Sequence[int]) -> Tensor | None:
 
 
 def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequence[Sequence[int] | None],
-             via: Any = None) -> tuple[Tensor, ...]:
+             via: DirectOp | None = None) -> tuple[Tensor, ...]:
     """Run backend ``fn(*args)`` so that its results land in ``outs``.
 
     ``shapes[i]`` is the shape the backend produces for result i (its 2-D view), None for "same as out[i]".
