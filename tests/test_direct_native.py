@@ -214,21 +214,28 @@ def test_another_backend_keeps_the_python_path(monkeypatch):
 
 # ---------------------------------------------------------------- out=: the direct program writes into given tensors
 _VIA = ("hardswish", "hardswish_backward", "rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_grad",
-        "layer_norm_grad_beta", "layer_norm_backward", "embedding_dense_backward")  # run_into(..., via=...) sites
+        "layer_norm_grad_beta", "layer_norm_backward", "embedding_dense_backward", "moe_token_permute",
+        "moe_token_permute_grad", "moe_token_unpermute", "moe_token_unpermute_grad")  # DirectOp.direct_into sites
 
 
 def _out_like(result: tuple[torch.Tensor, ...], fill: float = 7.0) -> tuple[torch.Tensor, ...]:
     return tuple(torch.full_like(r, fill) for r in result)
 
 
+def _given(outs: tuple[torch.Tensor, ...]):
+    """``out=`` as a caller passes it: the tensor of a one-result op, else the tuple."""
+    return outs if len(outs) > 1 else outs[0]
+
+
 def _with_out(op: str, args: tuple, kwargs: dict, outs: tuple[torch.Tensor, ...]):
-    return _tuple(getattr(gradops, op)(*args, **kwargs, out=outs if len(outs) > 1 else outs[0]))
+    return _tuple(getattr(gradops, op)(*args, **kwargs, out=_given(outs)))
 
 
 @pytest.mark.parametrize("op,sample", [c for c in CASES if c.values[0] in _VIA])
-def test_out_writes_the_same_bits_in_place(op, sample):
+def test_out_writes_the_same_bits_in_place(op, sample, monkeypatch):
     """``out=`` gives the call's own bits, in the caller's tensors (returned as given), whichever path writes them;
-    where the call has a program, the direct program writes them (DirectOp.direct_into answers True)."""
+    where the call has a program, the direct program writes them (DirectOp.direct_into answers True), and the
+    public function's out= call goes there without the Python checks (check_out not called)."""
     expected = _python_path(op, sample.args, sample.kwargs)
     outs = _out_like(expected)
     versions = [o._version for o in outs]
@@ -238,8 +245,17 @@ def test_out_writes_the_same_bits_in_place(op, sample):
     assert all(o._version > v for o, v in zip(outs, versions))
     if _expects_program(op, _direct_args(op, sample)):
         again = _out_like(expected)
-        assert _op(op).direct_into(again, *_direct_args(op, sample)) is True
+        assert _op(op).direct_into(_given(again), *_direct_args(op, sample)) is True
         same(again, expected)
+        module = importlib.import_module(f"gradops.ops.{_FAMILY[op[:3]]}")
+        monkeypatch.setattr(module, "check_out", _no_python_checks)
+        third = _out_like(expected)
+        assert all(g is o for g, o in zip(_with_out(op, sample.args, sample.kwargs, third), third))
+        same(third, expected)
+
+
+def _no_python_checks(*args, **kwargs):
+    raise AssertionError("the out= call took the Python path")
 
 
 def test_out_fills_what_the_program_zeroes():
@@ -269,7 +285,7 @@ def test_out_not_contiguous_takes_the_python_path():
     x = torch.randn(6, 8)
     out = torch.empty(8, 6).t()
     op = _op("hardswish")
-    assert op.direct_into((out,), x) is False
+    assert op.direct_into(out, x) is False
     assert gradops.hardswish(x, out=out) is out
     assert torch.equal(out, gradops.hardswish(x))
 
@@ -282,7 +298,7 @@ def test_out_zeroed_where_no_step_writes_it():
     x = torch.randn(4)
     ext.remember_direct(op, (x,), False, [([4], torch.float32, True)], [], [], [0], False)
     out = torch.full((4,), 7.0)
-    assert ext.direct_into(op, (out,), x) is True
+    assert ext.direct_into(op, out, x) is True
     assert torch.equal(out, torch.zeros(4))
     assert torch.equal(ext.direct(op, x), torch.zeros(4))
 
@@ -301,3 +317,58 @@ def test_out_inference_tensor_as_torch():
         with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
             call()
         assert torch.equal(out, torch.full((8, 8), 3.0))
+
+
+# ---------------------------------------------------------------- out=: what the C++ checks leave to check_out
+def _ln_backward_args():
+    x = torch.randn(2, 3, 8)
+    return (torch.randn(2, 3, 8), x, x.mean(-1), torch.rsqrt(x.var(-1, unbiased=False) + 1e-5), torch.randn(8))
+
+
+_OUT_CALLS = {  # op: its arguments (a 3-D one among them: outs of the public shape, not the kernels' 2-D one)
+    "hardswish_backward": lambda: (torch.randn(4, 6), torch.randn(4, 6)),
+    "layer_norm_backward": _ln_backward_args,
+    "rms_norm_grad": lambda: (torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.rand(2, 3) + 0.5, torch.randn(8)),
+    "moe_token_permute": lambda: (torch.randn(4, 6), torch.tensor([[1, 0], [2, 1], [0, 0], [3, 2]]), None, False),
+}
+
+
+def _refused_outs(args: tuple, good: tuple[torch.Tensor, ...]):
+    """(what is wrong, out) pairs that gradops.ops._out.check_out refuses, each from the good outs of a call."""
+    first = good[0]
+    one = len(good) == 1
+
+    def swap(t):
+        return t if one else (t, *good[1:])
+
+    yield "shape", swap(first.reshape(-1))  # same elements, other sizes
+    yield "dtype", swap(first.double())
+    yield "device", swap(torch.empty_like(first, device="meta"))
+    yield "form", good if one else good[0]  # a tuple for one result, a tensor for several
+    if not one:
+        yield "length", good[:-1]
+        yield "other out", (first, *good[1:-1], good[-2])  # the last result written over the one before
+    if args[1].shape == first.shape and args[1].dtype == first.dtype:
+        yield "input", swap(args[1])
+    yield "input view", swap(args[0].view(-1)[: first.numel()].view(first.shape)) if (
+        args[0].dtype == first.dtype and args[0].numel() >= first.numel()) else swap(first.to(torch.int8))
+
+
+@pytest.mark.parametrize("op", sorted(_OUT_CALLS))
+def test_out_checks_in_cpp_refuse_what_check_out_refuses(op):
+    """Every out that check_out refuses is one the extension's direct_into declines (False: the Python path runs
+    and raises OpError 161002 naming the out), and the good out, as a tuple or a list, it takes."""
+    args = _OUT_CALLS[op]()
+    expected = _tuple(getattr(gradops, op)(*args))
+    good = _out_like(expected)
+    for what, bad in _refused_outs(args, good):
+        assert _op(op).direct_into(bad, *args) is False, what
+        with pytest.raises(OpError) as caught:
+            getattr(gradops, op)(*args, out=bad)
+        assert caught.value.status == 161002 and "out" in str(caught.value), what
+    assert _op(op).direct_into(_given(good), *args) is True
+    same(good, expected)
+    if len(good) > 1:
+        listed = list(_out_like(expected))
+        assert _op(op).direct_into(listed, *args) is True
+        same(tuple(listed), expected)

@@ -319,20 +319,22 @@ class DirectOp:
         result = ext.direct(op, *args)
         return None if result is ext.MISS else result  # MISS cannot follow remember_direct; never hand it out
 
-    def direct_into(self, outs: tuple[Tensor, ...], *args: object) -> bool:
-        """:meth:`direct` writing the op's results into ``outs`` (validated by :func:`gradops.ops._out.check_out`),
-        for ``out=`` calls: True when done, False where the call takes the Python path (as :meth:`direct`, or an
-        out that is not a plain contiguous CPU tensor). The same program as a call without ``out=``, so the same
-        bits; a value the op refuses is found by the program's checks before any out is written."""
+    def direct_into(self, out: object, *args: object) -> bool:
+        """:meth:`direct` writing the op's results into ``out`` (its ``out=`` argument as the caller gave it): True
+        when done, False where the call takes the Python path - as :meth:`direct`, or an out that
+        :func:`gradops.ops._out.check_out` would refuse or could take only by a copy (native/direct.cpp
+        ``direct_into`` lists the checks; the Python path then raises the OpError naming the out). The same program
+        as a call without ``out=``, so the same bits; a value the op refuses is found by the program's checks before
+        any out is written."""
         found = self._extension()
         if found is None:
             return False
         ext, op = found
-        result = ext.direct_into(op, outs, *args)
+        result = ext.direct_into(op, out, *args)
         if result is ext.MISS:
             if not self._remember(ext, op, args):
                 return False
-            result = ext.direct_into(op, outs, *args)
+            result = ext.direct_into(op, out, *args)
         return result is True
 
     def _extension(self) -> tuple[Any, int] | None:

@@ -10,6 +10,10 @@ one tensor per result (a tuple for tuple results), each of the documented shape 
 device, one memory location per element (no broadcast or interleaved strides), not overlapping any input or
 another out. Any strides: a non-contiguous out is filled by a copy.
 Forward ops refuse ``out=`` when autograd would record them (as torch's ``out=`` functions do).
+
+With the native extension loaded, a public function first hands its out= call to its DirectOp's ``direct_into``,
+which makes these checks in C++ and writes through the op's direct program; whatever it declines comes here
+(1.3-3.1 µs per out= call at 8 x 8 fp32 that way, 6-24 with the checks below, 2026-11-24).
 """
 
 from __future__ import annotations
@@ -124,18 +128,19 @@ def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequen
     ``shapes[i]`` is the shape the backend produces for result i (its 2-D view), None for "same as out[i]".
     ``via``: the op's :class:`gradops.ops._direct.DirectOp` when ``args`` are also the op's own arguments: with the
     native extension loaded, contiguous outs are then written in place by the op's direct program (one C++ call,
-    the kernels on torch's threads), as a call without ``out=`` runs: a whole ``out=`` call at 8 x 8 fp32 then
-    costs 6-24 µs, most of it the checks above, where it took 12-39 on this Python path (2026-11-24). Backends whose
-    function takes ``out=`` write in place (a tuple for several results); others, or an out without a contiguous
-    view, get their result copied in.
+    the kernels on torch's threads), as a call without ``out=`` runs. (The public functions try that first, on
+    their own arguments, before check_out: see DirectOp.direct_into; this is for the calls it declined but check_out
+    accepts, e.g. a float32 embedding table beside float16 grad.) Backends whose function takes ``out=`` write in
+    place (a tuple for several results); others, or an out without a contiguous view, get their result copied in.
     """
-    if via is not None and via.direct_into(outs, *args):
+    views = [_view(o, o.shape if s is None else s) for o, s in zip(outs, shapes)]
+    whole = all(v is not None for v in views)
+    if whole and via is not None and via.direct_into(tuple(views) if len(views) > 1 else views[0], *args):
         return outs
     # A lazily negated input (``z.conj().imag``) reaches the kernels as its stored data: apply the sign first
     # (resolve_neg returns the tensor itself when the bit is clear).
     args = tuple(a.resolve_neg() if isinstance(a, Tensor) else a for a in args)
-    views = [_view(o, o.shape if s is None else s) for o, s in zip(outs, shapes)]
-    if takes_out(fn) and all(v is not None for v in views):
+    if whole and takes_out(fn):
         fn(*args, out=tuple(views) if len(views) > 1 else views[0])
         for o in outs:  # written through its address: count the write as torch's out= ops do (copy_ counts its own)
             torch.autograd.graph.increment_version(o)

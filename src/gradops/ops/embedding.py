@@ -95,6 +95,8 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         table = _embedding_dense_backward.direct(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
         if table is not None:
             return table
+    elif _embedding_dense_backward.direct_into(out, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+        return out  # the common out= call, checked in C++ (see DirectOp.direct_into)
     # here too: the schema would refuse a None or a bad scalar before the op body checks
     plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     padding_idx = no_padding_outside_table(padding_idx, num_weights)

@@ -130,6 +130,8 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     ``out``: optional preallocated result of self's shape and dtype, any strides (see :mod:`gradops.ops._out`; not
     differentiable)."""
     if out is not None:
+        if _hardswish.direct_into(out, self):  # the common out= call, checked in C++ (see DirectOp.direct_into)
+            return out
         plan = plan_hardswish(self)
         refuse_autograd("hardswish", self)
         outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
@@ -164,6 +166,8 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
         (torch's formula: the open interval).
     """
     if out is not None:
+        if _hardswish_backward.direct_into(out, grad_output, self):
+            return out
         plan = plan_hardswish_backward(grad_output, self)
         outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, grad_output=grad_output,
                          self=self)

@@ -260,6 +260,8 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
         (the statistics AscendC LayerNormGrad takes).
     """
     if out is not None:
+        if _layer_norm.direct_into(out, x, gamma, beta, epsilon):  # the common out= call (see DirectOp.direct_into)
+            return tuple(out)
         plan = plan_layer_norm(x, gamma, beta, epsilon)
         rows, cols = plan.shape
         refuse_autograd("layer_norm", x, gamma, beta)
@@ -283,6 +285,8 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     to keep them apart. A variance below ``-epsilon`` (a swapped mean, typically) is refused with OpError 161002.
     """
     if out is not None:
+        if _layer_norm_grad.direct_into(out, dy, x, variance, mean, gamma, epsilon):
+            return tuple(out)
         plan = plan_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
         rows, cols = plan.shape
         checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
@@ -299,6 +303,8 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     but the last; accumulated in float32, returned in the inputs' dtype (shape (H,)). ``out``: optional
     preallocated ``(pd_gamma, pd_beta)``."""
     if out is not None:
+        if _layer_norm_grad_beta.direct_into(out, res_for_gamma, dy):
+            return tuple(out)
         plan = plan_layer_norm_grad_beta(res_for_gamma, dy)
         rows, cols = plan.shape
         args = (res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
@@ -326,6 +332,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
         :func:`layer_norm`) with respect to dy, x, mean, rstd and gamma, the statistics as independent inputs.
     """
     if out is not None:
+        if _layer_norm_backward.direct_into(out, dy, x, mean, rstd, gamma):
+            return tuple(out)
         plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)
         rows, cols = plan.shape
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)

@@ -119,6 +119,8 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
         sorted_indices (int32, T*K) is CANN's convention, the INVERSE of Megatron's ``sorted_indices``.
     """
     if out is not None:
+        if _moe_token_permute.direct_into(out, tokens, indices, num_out_tokens, padded_mode):  # DirectOp.direct_into
+            return tuple(out)
         call = plan_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
         plan = call.shape
         refuse_autograd("moe_token_permute", tokens)
@@ -145,6 +147,8 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         (T, H) in the gradient's dtype.
     """
     if out is not None:
+        if _moe_token_permute_grad.direct_into(out, permuted_output_grad, sorted_indices, num_topk, padded_mode):
+            return out
         call = plan_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
         plan = call.shape
         specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
@@ -270,6 +274,8 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     if restore_shape is not None:
         check_restore_shape("moe_token_unpermute", restore_shape)
     if out is not None:
+        if _moe_token_unpermute.direct_into(out, permuted_tokens, sorted_indices, probs, padded_mode):
+            return out
         call = plan_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
         plan = call.shape
         refuse_autograd("moe_token_unpermute", permuted_tokens, probs)
@@ -304,6 +310,9 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     if restore_shape is not None:
         check_restore_shape("moe_token_unpermute_grad", restore_shape)
     if out is not None:
+        if _moe_token_unpermute_grad.direct_into(out, permuted_tokens, grad_unpermuted, sorted_indices, probs,
+                                                 padded_mode):
+            return tuple(out)
         call = plan_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
         plan = call.shape
         probs_spec = ((0,), permuted_tokens.dtype) if probs is None else ((plan.tokens, plan.topk), probs.dtype)

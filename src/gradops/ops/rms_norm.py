@@ -144,6 +144,8 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
         of shape ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
     """
     if out is not None:
+        if _rms_norm.direct_into(out, x, gamma, epsilon):  # the common out= call (see DirectOp.direct_into)
+            return tuple(out)
         return _rms_norm_into(x, gamma, epsilon, out)
     return _rms_norm(x, gamma, epsilon, check=check_rms_norm)
 
@@ -173,5 +175,7 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
             rule (CANN checks shapes while tiling).
     """
     if out is not None:
+        if _rms_norm_grad.direct_into(out, dy, x, rstd, gamma):
+            return tuple(out)
         return _rms_norm_grad_into(dy, x, rstd, gamma, out)
     return _rms_norm_grad(dy, x, rstd, gamma, check=check_rms_norm_grad)
