@@ -141,6 +141,10 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
                     w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
                 cases = {"gradops": _step(ours, x, w), "torch": _step(twin, x, w)}
                 if compile_twin:  # one compilation per case: its parameters' shapes change with the size
+                    # A fresh start each time: dynamo stops compiling a function after config.recompile_limit (8)
+                    # recompilations and runs it eagerly from then on (a first run from RMSNorm bf16 2048x512 on
+                    # timed torch's eager module in the compile column, 2026-11-24).
+                    torch._dynamo.reset()
                     cases["compile"] = _step(torch.compile(twin), x, w)
                 best = _time(cases, budget_s, sync)
                 ratio = best["gradops"] / best["torch"]
