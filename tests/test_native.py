@@ -59,6 +59,31 @@ def test_hardswish_node_matches_python_path(shape, dtype):
     assert ours[1][..., 0].eq((w[..., 0].float() * 1.5).to(dtype)).all()
 
 
+@pytest.mark.parametrize("shape", [(8, 8), (512, 256)], ids=str)
+def test_hardswish_node_writes_only_a_gradient_nobody_holds(shape):
+    """The node computes dx in the incoming gradient's memory only when nothing else references it (the matches test
+    above runs that path: (y * w).sum()'s gradient is MulBackward's fresh tensor). A gradient the caller passed, one
+    a hook kept or retain_grad stored, comes back unchanged, and dx has the same bits either way."""
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 4).requires_grad_()
+    w = torch.randn(shape)
+    expected = gradops.hardswish_backward(w, x.detach())
+    gy = w.clone()
+    gnn.Hardswish()(x).backward(gy)
+    assert torch.equal(gy, w) and torch.equal(x.grad, expected)
+    kept = []
+    for hold in (lambda y: y.register_hook(kept.append), lambda y: y.retain_grad()):
+        x.grad = None
+        y = gnn.Hardswish()(x)
+        hold(y)
+        (y * w).sum().backward()
+        assert torch.equal(x.grad, expected)
+        assert torch.equal(kept[-1] if y.grad is None else y.grad, w)
+    x.grad = None
+    (gnn.Hardswish()(x) * w).sum().backward()  # nothing holds it: written in place, the same bits
+    assert torch.equal(x.grad, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("affine", ["affine", "no-bias", "none", "fp32-params"])

@@ -8,7 +8,7 @@ import torch
 from ._host import PARALLEL_MIN, row_blocks
 from ._reduce import fold_partials
 from ._views import F32, view1, view2
-from .hardswish import _hardswish_backward_chunk, _hardswish_chunk
+from .hardswish import _hardswish_backward_chunk, _hardswish_backward_inplace_chunk, _hardswish_chunk
 from .layer_norm import (
     _backward_block,
     _first_below,
@@ -37,6 +37,15 @@ def _hardswish_grad(s):
     def body(at, lo, hi):  # pragma: no cover - compiled; args: g, x, dx
         a = view1(at, _I64, 3)
         _hardswish_backward_chunk(view1(a[0], s, hi)[lo:], view1(a[1], s, hi)[lo:], view1(a[2], s, hi)[lo:])
+        return -1
+    return body
+
+
+@piece
+def _hardswish_grad_inplace(s):
+    def body(at, lo, hi):  # pragma: no cover - compiled; args: g (read, then written with dx), x
+        a = view1(at, _I64, 2)
+        _hardswish_backward_inplace_chunk(view1(a[0], s, hi)[lo:], view1(a[1], s, hi)[lo:])
         return -1
     return body
 
@@ -239,9 +248,9 @@ def _layer_norm_backward(plan, dy, x, mean, rstd, gamma):
 
 
 def hardswish_node_pieces(dtype: torch.dtype) -> list[int]:
-    """The native Hardswish node's pieces (autograd.cpp): forward ``(x, y)`` and backward ``(g, x, dx)``, each over
-    a span of items."""
-    return [_hardswish_forward(dtype), _hardswish_grad(dtype)]
+    """The native Hardswish node's pieces (autograd.cpp): forward ``(x, y)``, backward ``(g, x, dx)`` and backward
+    into the gradient's own memory ``(g, x)``, each over a span of items."""
+    return [_hardswish_forward(dtype), _hardswish_grad(dtype), _hardswish_grad_inplace(dtype)]
 
 
 def layer_norm_node_pieces(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> list[int]:
