@@ -64,40 +64,12 @@ os.environ["NUMBA_CACHE_DIR"] = _writable_cache_dir()
 if sys.modules.get("numba") is not None:  # numba read its config already: point the cache locator at our directory
     sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
-import numba  # an ImportError here is how the dispatcher learns that numba is missing
-
-
-def _prefer_256_bit_vectors() -> str | None:
-    """On an AVX-512 CPU, numba's LLVM features with ``+prefer-256-bit`` (AVX-512 instructions, vectors of 256 bits
-    unless a loop needs more); None where that does not apply.
-
-    Why: LLVM vectorizes for 512-bit registers on AMD Zen 4 (its Intel server models prefer 256 bits already), and
-    there the streaming loops lose: a three-stream loop over 16 MiB tensors (one thread, CI VM, 2026-11-24) took
-    1.25-1.31 ms with 512-bit loads and stores against 1.08-1.10 ms with 256-bit ones (gcc, the same loop) and
-    1.04-1.09 for ATen's mul, whose elementwise and norm kernels run their AVX2 builds on this CPU (perf:
-    ``at::native::AVX2::VectorizedLoop2d``, ``AVX2::RowwiseMomentsImpl``; ATen registers few AVX-512 kernels). The
-    Hardswish 4096 x 1024 fp32 training step went from 1.09-1.12 / 0.96-1.09x torch to 1.03-1.04 / 0.97-0.98x in
-    two pairs of runs. A user's own NUMBA_CPU_NAME / NUMBA_CPU_FEATURES win; so does a numba that compiled before
-    this import (its code generator is made once per process). The features are part of numba's cache key."""
-    config = numba.config
-    if config.CPU_NAME is not None or config.CPU_FEATURES is not None:
-        return None
-    try:  # numba internals: where they moved, numba keeps its own choice (never a reason to lose the backend)
-        from numba.core import registry
-        from numba.core.codegen import get_host_cpu_features
-
-        if "_toplevel_target_context" in vars(registry.cpu_target):  # the code generator exists: too late
-            return None
-        features = get_host_cpu_features()
-    except (ImportError, AttributeError, TypeError):
-        return None
-    if "+avx512f" not in features.split(","):
-        return None
-    return features + ",+prefer-256-bit"
-
-
-if (_features := _prefer_256_bit_vectors()) is not None:
-    numba.config.CPU_FEATURES = _features
+# numba keeps LLVM's own vector width. Asking it for 256-bit vectors on AVX-512 CPUs (``+prefer-256-bit`` in its CPU
+# features, 2026-11-24: streaming loops over 16 MiB lost 15-20% with 512-bit loads and stores on the CI VM's Zen 4)
+# made results depend on the cache: a process that compiled a kernel got other last bits than every later process
+# loading it from the disk cache (LayerNorm 512 x 256 fp32 forward and backward; set through NUMBA_CPU_FEATURES as
+# well), which tests/test_cpu_backend.py's test_cached_kernels_give_the_bits_of_fresh_ones now catches.
+import numba  # noqa: F401 - an ImportError here is how the dispatcher learns that numba is missing
 
 from ._cache import harden
 from .embedding import (
