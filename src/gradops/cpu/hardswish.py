@@ -58,7 +58,7 @@ def _hardswish_backward_inplace_chunk(g, x):  # pragma: no cover - compiled
         st(g, i, _grad_value(ld(g, i), ld(x, i)))
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")  # inlined into its callers at numba's level: nothing of its own to cache
 def _grad_value(gv, v):  # pragma: no cover - compiled
     """One element of the backward, float32 math (see _hardswish_backward_chunk)."""
     r = gv * (v * _THIRD + np.float32(0.5))
