@@ -59,29 +59,47 @@ def test_hardswish_node_matches_python_path(shape, dtype):
     assert ours[1][..., 0].eq((w[..., 0].float() * 1.5).to(dtype)).all()
 
 
-@pytest.mark.parametrize("shape", [(8, 8), (512, 256)], ids=str)
-def test_hardswish_node_writes_only_a_gradient_nobody_holds(shape):
-    """The node computes dx in the incoming gradient's memory only when nothing else references it (the matches test
-    above runs that path: (y * w).sum()'s gradient is MulBackward's fresh tensor). A gradient the caller passed, one
-    a hook kept or retain_grad stored, comes back unchanged, and dx has the same bits either way."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8, 8), (512, 256), (3, 5, 64)], ids=str)
+@pytest.mark.parametrize("name", ["Hardswish", "LayerNorm"])
+def test_node_writes_only_a_gradient_nobody_holds(name, shape, dtype):
+    """The Hardswish and LayerNorm nodes compute dx in the incoming gradient's memory only when nothing else
+    references it (the matches tests run that path: (y * w).sum()'s gradient is MulBackward's fresh tensor). A
+    gradient the caller passed, one a hook kept or retain_grad stored, comes back unchanged, and every gradient has
+    the same bits either way (LayerNorm's in-place row blocks are a kernel of their own)."""
     torch.manual_seed(0)
-    x = (torch.randn(shape) * 4).requires_grad_()
-    w = torch.randn(shape)
-    expected = gradops.hardswish_backward(w, x.detach())
+    module = (gnn.Hardswish() if name == "Hardswish" else gnn.LayerNorm(shape[-1])).to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = (torch.randn(shape) * 4).to(dtype).requires_grad_()
+    w = torch.randn(shape).to(dtype)
+    leaves = [x, *module.parameters()]
+
+    def grads():
+        return [t.grad.clone() for t in leaves]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
     gy = w.clone()
-    gnn.Hardswish()(x).backward(gy)
-    assert torch.equal(gy, w) and torch.equal(x.grad, expected)
+    module(x).backward(gy)
+    assert torch.equal(gy, w)
+    expected = grads()
+    if name == "Hardswish":
+        assert torch.equal(expected[0], gradops.hardswish_backward(w, x.detach()))
     kept = []
     for hold in (lambda y: y.register_hook(kept.append), lambda y: y.retain_grad()):
-        x.grad = None
-        y = gnn.Hardswish()(x)
+        clear()
+        y = module(x)
         hold(y)
         (y * w).sum().backward()
-        assert torch.equal(x.grad, expected)
+        assert all(map(torch.equal, grads(), expected))
         assert torch.equal(kept[-1] if y.grad is None else y.grad, w)
-    x.grad = None
-    (gnn.Hardswish()(x) * w).sum().backward()  # nothing holds it: written in place, the same bits
-    assert torch.equal(x.grad, expected)
+    clear()
+    (module(x) * w).sum().backward()  # nothing holds it: written in place, the same bits
+    assert all(map(torch.equal, grads(), expected))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -211,8 +211,8 @@ def _grad_beta_entry(res_at, dy_at, dtype, pg, pb, gamma_at, beta_at, m, n):  # 
     fold_partials(pb, view1(beta_at, dtype, n))
 
 
-@njit(cache=True, fastmath=FASTMATH)
-def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover - compiled
+@njit(fastmath=FASTMATH, inline="always")
+def _backward_rows(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover - compiled
     """Row block b of the fused backward (rstd given), per row aclnnLayerNormBackward's (ATen
     ``native_layer_norm_backward``'s) constants - :func:`_row_terms` without AscendC's ``sum(x - mean)`` term::
 
@@ -222,7 +222,12 @@ def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cove
 
     One row at a time with the row's two sums written out here: a function for the sums called per row, four rows
     per partial update, took 62-65 µs at 512 x 256 fp32 (one thread, CI VM, 2026-11-24) against 46-47 this way,
-    550-780 against 330-390 at 2048 x 512, and the same at 8192 x 4096 (35-36 ms)."""
+    550-780 against 330-390 at 2048 x 512, and the same at 8192 x 4096 (35-36 ms). (Four rows with the sums inlined
+    were 39-41 µs against 46-48 compiled alone, but 41 against 39 inside the native node's piece.)
+
+    Inlined into its two callers, so that :func:`_backward_block_into`, which passes one array as dy and dx, is
+    compiled knowing they are the same memory: LLVM then vectorizes the loop that reads an element and writes it
+    back, where two arrays it cannot tell apart leave it the scalar fallback when they overlap (123 µs)."""
     m, n = x.shape
     nblk = pg.shape[0]
     per = (m + nblk - 1) // nblk
@@ -249,6 +254,19 @@ def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cove
             st(dx, (r, j), g * ld(gamma, j) * s + a * xmu + c)
             ag[j] += g * (xmu * s)
             ab[j] += g
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _backward_block(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover - compiled
+    """Row block b of the fused backward into dx (see :func:`_backward_rows`)."""
+    _backward_rows(dy, x, mean, rstd, gamma, dx, pg, pb, b)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _backward_block_into(g, x, mean, rstd, gamma, pg, pb, b):  # pragma: no cover - compiled
+    """Row block b of the fused backward with dx written over g, the incoming gradient (each element is read, by
+    both loops of its row, before it is written): the bits of :func:`_backward_block`."""
+    _backward_rows(g, x, mean, rstd, gamma, g, pg, pb, b)
 
 
 @njit(parallel=True, cache=True)

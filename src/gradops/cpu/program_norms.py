@@ -11,6 +11,7 @@ from ._views import F32, view1, view2
 from .hardswish import _hardswish_backward_chunk, _hardswish_backward_inplace_chunk, _hardswish_chunk
 from .layer_norm import (
     _backward_block,
+    _backward_block_into,
     _first_below,
     _grad_beta_block,
     _layer_norm_grad_row_range,
@@ -180,6 +181,21 @@ def _layer_norm_blocks(s, gs):
 
 
 @piece
+def _layer_norm_blocks_into(s, gs):
+    def body(at, lo, hi):  # pragma: no cover - compiled; args: g (read, then written with dx), x, mean, rstd, gamma,
+        # pg, pb, m, n, nblk
+        a = view1(at, _I64, 10)
+        m, n, nblk = a[7], a[8], a[9]
+        g, x = view2(a[0], s, m, n), view2(a[1], s, m, n)
+        mean, rstd, gamma = view1(a[2], F32, m), view1(a[3], F32, m), view1(a[4], gs, n)
+        pg, pb = view2(a[5], F32, nblk, n), view2(a[6], F32, nblk, n)
+        for b in range(lo, hi):
+            _backward_block_into(g, x, mean, rstd, gamma, pg, pb, b)
+        return -1
+    return body
+
+
+@piece
 def _grad_beta_blocks(s):
     def body(at, lo, hi):  # pragma: no cover - compiled; args: res, dy, pg, pb, m, n, nblk
         a = view1(at, _I64, 7)
@@ -254,10 +270,11 @@ def hardswish_node_pieces(dtype: torch.dtype) -> list[int]:
 
 
 def layer_norm_node_pieces(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> list[int]:
-    """The native LayerNorm node's pieces (autograd.cpp): the forward rows, the fused backward's row blocks, and the
-    float32 fold of their partials - the direct calls' layer_norm / layer_norm_backward pieces."""
+    """The native LayerNorm node's pieces (autograd.cpp): the forward rows, the fused backward's row blocks, the
+    float32 fold of their partials - the direct calls' layer_norm / layer_norm_backward pieces - and the row blocks
+    writing dx into the gradient's own memory."""
     return [_layer_norm_rows(dtype, gamma_dtype, beta_dtype), _layer_norm_blocks(dtype, gamma_dtype),
-            _fold(torch.float32)]
+            _fold(torch.float32), _layer_norm_blocks_into(dtype, gamma_dtype)]
 
 
 BUILDERS = {
