@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "allocations up to 32 MiB from the heap, so that neither side's step time depends on "
                              "when free() last gave memory back (page faults that swing a 512 x 256 step by up to "
                              "2x); glibc keeps glibc's dynamic defaults")
+    parser.add_argument("--processes", type=int_at_least(1), default=None,
+                        help="with --sweep: fresh worker processes per case (default 3); the table reports the "
+                             "median of their ratios and the range")
 
 
 def _version(pkg: str) -> str | None:
@@ -172,7 +175,8 @@ def _check_request(args: argparse.Namespace) -> None:
         if any(d not in timed for d in args.dtype):
             raise CommandError(f"--dtype {', '.join(d for d in args.dtype if d not in timed)}: --{mode} times "
                                f"{' and '.join(timed)} only")
-    for flag, given in (("--sweep-compile", args.sweep_compile), ("--malloc", args.malloc is not None)):
+    for flag, given in (("--sweep-compile", args.sweep_compile), ("--malloc", args.malloc is not None),
+                        ("--processes", args.processes is not None)):
         if given and mode != "sweep":
             raise CommandError(f"{flag} applies to --sweep only")
     if mode != "compile_cost" and not args.no_save:  # --compile-cost writes nothing
@@ -202,11 +206,11 @@ def run(args: argparse.Namespace) -> int:
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtypes = args.dtype or ["fp32", "bf16"]
-        env = environment(device)
-        if device.type == "cpu":
-            env["malloc"] = sweep.steady_malloc() if (args.malloc or "steady") == "steady" else "glibc defaults"
-        return sweep.run(device, list(dict.fromkeys(dtypes)), args.sweep_compile,
-                         min(args.budget, 2.0), None if args.no_save else args.results, env)
+        # the workers set the allocator for themselves (this process times nothing) and report what they did
+        malloc = (args.malloc or "steady") if device.type == "cpu" else None
+        return sweep.run(device, list(dict.fromkeys(dtypes)), args.sweep_compile, min(args.budget, 2.0),
+                         None if args.no_save else args.results, environment(device),
+                         args.processes or sweep.PROCESSES, malloc)
     from . import report
     from .cases import build
     from .timing import time_cpu, time_cuda

@@ -3,12 +3,13 @@
 
 What a user swaps in is a module at the size they train; this answers "is it slower there?" for every size at
 once. Each case times one training-style step - forward, a dense upstream gradient (``(y * w).sum()``, so the
-backward sees a contiguous gradient as it does after a Linear), backward - for gradops' module and torch's,
-round-robin (a noisy neighbour hits both alike), and reports the best round's mean and the ratio
-gradops / torch (below 1: gradops faster). ``torch.compile`` of the torch twin joins with ``--sweep-compile``
-(one compilation per case, outside the timed rounds: minutes on a small CPU). Writes
-``sweep-<device>-<date>.jsonl`` and, with matplotlib, ``sweep-<device>-<date>.png`` (ratio against elements, one
-line per module and dtype).
+backward sees a contiguous gradient as it does after a Linear), backward - for gradops' module and torch's, in
+alternating rounds, in a few fresh worker processes of its own (see :func:`run`), and reports each side's median
+round and the ratio gradops / torch (below 1: gradops faster): per process the median over rounds of the two
+sides' ratio in the same round, over processes the median of those. ``torch.compile`` of the torch twin joins
+with ``--sweep-compile`` (compiled in each worker, outside the timed rounds). Writes
+``sweep-<device>-<date>.jsonl`` (with each process's ratio) and, with matplotlib, ``sweep-<device>-<date>.png``
+(ratio against elements, one line per module and dtype).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import ctypes
 import datetime
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +33,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODULES = ("RMSNorm", "LayerNorm", "Hardswish", "Embedding")
 #: Embedding: rows are tokens, columns the embedding width; the table has this many rows.
 VOCAB = 32000
+#: Worker processes per case (see :func:`run`); ``--processes`` changes it.
+PROCESSES = 3
+#: Rounds per case and process at most: 8 x 8 cases take ~0.1 ms a step, so 2 s would allow thousands.
+MAX_ROUNDS = 100
 
 
 #: glibc's mallopt parameters (malloc.h).
@@ -60,7 +67,8 @@ def steady_malloc() -> str:
     return f"glibc {version} defaults"
 
 
-def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device,
+          vocab: int = VOCAB) -> tuple[torch.nn.Module, torch.nn.Module]:
     import gradops.nn as gnn
 
     torch.manual_seed(0)
@@ -68,7 +76,7 @@ def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device) -> tup
         "RMSNorm": lambda ns: ns.RMSNorm(cols, eps=1e-6),
         "LayerNorm": lambda ns: ns.LayerNorm(cols),
         "Hardswish": lambda ns: ns.Hardswish(),
-        "Embedding": lambda ns: ns.Embedding(VOCAB, cols),
+        "Embedding": lambda ns: ns.Embedding(vocab, cols),
     }[name]
     twin = make(torch.nn).to(device, dtype)
     ours = make(gnn).to(device, dtype)
@@ -89,7 +97,10 @@ def _step(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> Callable
     return run
 
 
-def _time(cases: dict[str, Callable[[], None]], budget_s: float, sync: Callable[[], None]) -> dict[str, float]:
+def _rounds(cases: dict[str, Callable[[], None]], budget_s: float, sync: Callable[[], None]) -> dict[str, list[float]]:
+    """Each case's mean step time (µs) per round: at least 5 rounds, then more until ``budget_s`` (at most
+    :data:`MAX_ROUNDS`). Within a round the cases run back to back, in reverse order every other round, so that
+    neither side always follows the same one (the torch.compile twin leaves its own buffers in the caches)."""
     for fn in cases.values():
         for _ in range(3):
             fn()
@@ -100,62 +111,112 @@ def _time(cases: dict[str, Callable[[], None]], budget_s: float, sync: Callable[
         fn()
     sync()
     per_round = max(2, int(0.02 / max(1e-6, (time.perf_counter() - start) / len(cases))))
-    best: dict[str, float] = {}
+    means: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     deadline = time.perf_counter() + budget_s
-    rounds = 0
-    while rounds < 5 or (time.perf_counter() < deadline and rounds < 30):
-        for name, fn in cases.items():
+    while len(means[names[0]]) < 5 or (time.perf_counter() < deadline and len(means[names[0]]) < MAX_ROUNDS):
+        for name in names if len(means[names[0]]) % 2 == 0 else reversed(names):
+            fn = cases[name]
             sync()
             t0 = time.perf_counter()
             for _ in range(per_round):
                 fn()
             sync()
-            best[name] = min(best.get(name, float("inf")), (time.perf_counter() - t0) / per_round * 1e6)
-        rounds += 1
-    return best
+            means[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    return means
+
+
+def _paired(ours: list[float], theirs: list[float]) -> float:
+    """Median over rounds of ours / theirs in the same round: a slow stretch of a shared VM that lands on one
+    round moves both sides of that round's ratio, where the ratio of each side's own best round compares
+    different moments (on the CI VM, 2026-11-24: Hardswish 4096 x 1024 fp32 1.17 by best rounds, 1.04 paired)."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
+def measure(spec: dict) -> dict:
+    """One case in this process (a worker's job): ``spec`` names the module, size, dtype, device, whether the
+    compiled twin joins, the timing budget, the Embedding vocabulary and the allocator setting. Returns each side's
+    median round (µs), the paired ratios and the number of rounds."""
+    device = torch.device(spec["device"])
+    malloc = {"steady": steady_malloc, "glibc": lambda: "glibc defaults"}.get(spec["malloc"], lambda: None)()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    name, rows_n, cols, dtype = spec["module"], spec["rows"], spec["cols"], DTYPES[spec["dtype"]]
+    ours, twin = _pair(name, cols, dtype, device, spec["vocab"])
+    g = torch.Generator(device="cpu").manual_seed(rows_n * cols)
+    if name == "Embedding":
+        x = torch.randint(0, spec["vocab"], (rows_n,), generator=g).to(device)
+        w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
+    else:
+        x = torch.randn(rows_n, cols, generator=g).to(device, dtype).requires_grad_()
+        w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
+    cases = {"gradops": _step(ours, x, w), "torch": _step(twin, x, w)}
+    if spec["compile"]:  # compiled here, outside the timed rounds
+        cases["compile"] = _step(torch.compile(twin), x, w)
+    means = _rounds(cases, spec["budget"], sync)
+    out = {"malloc": malloc, "rounds": len(means["gradops"]), "ratio": _paired(means["gradops"], means["torch"])}
+    for side, values in means.items():
+        out[f"{side}_us"] = statistics.median(values)
+    if spec["compile"]:
+        out["compile_ratio"] = _paired(means["gradops"], means["compile"])
+    return out
+
+
+def _worker(spec: dict) -> dict:
+    """:func:`measure` in a fresh interpreter (``python -m gradops.bench.sweep SPEC``); its last stdout line."""
+    done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sweep worker for {spec['module']} {spec['rows']}x{spec['cols']} {spec['dtype']} "
+                           f"exited {done.returncode}:\n{done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: float, results: Path | None,
-        env: dict) -> int:
-    """Print the sweep table; write JSONL (and PNG) under ``results`` unless None."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        env: dict, processes: int = PROCESSES, malloc: str | None = "steady") -> int:
+    """Print the sweep table; write JSONL (and PNG) under ``results`` unless None.
+
+    Every case is timed in ``processes`` fresh worker processes, one after another, and reported by the median
+    of their paired ratios (with the lowest and highest). Why not all cases in one process, as before: what ran
+    earlier in a process moved both sides' times by 10-50% and the ratio by up to 0.12 (four fp32 sweeps on the CI
+    VM, 2026-11-24, with and without ``gradops.empty_cache()`` before each case: LayerNorm 512 x 256 0.94 / 1.05,
+    Hardswish 2048 x 512 1.06 / 0.90, repeatable per pattern), so a case's number depended on its place in the
+    list. Why several: a fresh process still lands its buffers somewhere new, and on that VM the same case's
+    paired ratio differed by up to 0.2 from one process to the next (Hardswish 2048 x 512 fp32: 0.88-1.10 over
+    ten) while the rounds within one process agreed. pyperf spawns worker processes for the same reason."""
     rows: list[dict] = []
-    head = f"{'module':<10} {'size':>11} {'dtype':<5} {'gradops µs':>11} {'torch µs':>10} {'ratio':>6}"
+    head = f"{'module':<10} {'size':>11} {'dtype':<5} {'gradops µs':>11} {'torch µs':>10} {'ratio':>6} {'range':>11}"
     if compile_twin:
         head += f" {'compile µs':>11} {'ratio':>6}"
     print(f"gradops bench --sweep on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"backend {env['gradops_backend']}" + (f", malloc {env['malloc']}" if "malloc" in env else "")
-          + "; forward + backward per step, best round's mean", flush=True)
+          f"backend {env['gradops_backend']}; forward + backward per step; each case in {processes} fresh "
+          f"process{'es' if processes > 1 else ''}: median round, median paired ratio (range: per process)",
+          flush=True)
     print(head + "\n" + "-" * len(head), flush=True)
     for name in MODULES:
         for dname in dtypes:
-            dtype = DTYPES[dname]
             for rows_n, cols in SIZES:
-                ours, twin = _pair(name, cols, dtype, device)
-                g = torch.Generator(device="cpu").manual_seed(rows_n * cols)
-                if name == "Embedding":
-                    x = torch.randint(0, VOCAB, (rows_n,), generator=g).to(device)
-                    w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
-                else:
-                    x = torch.randn(rows_n, cols, generator=g).to(device, dtype).requires_grad_()
-                    w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
-                cases = {"gradops": _step(ours, x, w), "torch": _step(twin, x, w)}
-                if compile_twin:  # one compilation per case: its parameters' shapes change with the size
-                    # A fresh start each time: dynamo stops compiling a function after config.recompile_limit (8)
-                    # recompilations and runs it eagerly from then on (a first run from RMSNorm bf16 2048x512 on
-                    # timed torch's eager module in the compile column, 2026-11-24).
-                    torch._dynamo.reset()
-                    cases["compile"] = _step(torch.compile(twin), x, w)
-                best = _time(cases, budget_s, sync)
-                ratio = best["gradops"] / best["torch"]
-                line = (f"{name:<10} {f'{rows_n}x{cols}':>11} {dname:<5} {best['gradops']:>11.1f} "
-                        f"{best['torch']:>10.1f} {ratio:>6.2f}")
+                spec = {"module": name, "rows": rows_n, "cols": cols, "dtype": dname, "device": str(device),
+                        "compile": compile_twin, "budget": budget_s, "vocab": VOCAB, "malloc": malloc}
+                got = [_worker(spec) for _ in range(processes)]
+                ratios = [w["ratio"] for w in got]
+                ratio = statistics.median(ratios)
+                gradops_us = statistics.median(w["gradops_us"] for w in got)
+                torch_us = statistics.median(w["torch_us"] for w in got)
+                line = (f"{name:<10} {f'{rows_n}x{cols}':>11} {dname:<5} {gradops_us:>11.1f} {torch_us:>10.1f} "
+                        f"{ratio:>6.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>11}")
                 rec = {**env, "bench": "sweep", "module": name, "rows": rows_n, "cols": cols, "dtype": dname,
-                       "gradops_us": round(best["gradops"], 2), "torch_us": round(best["torch"], 2),
-                       "ratio": float(f"{ratio:.4g}")}  # significant digits: a ratio of 0.04 keeps 4
+                       "gradops_us": round(gradops_us, 2), "torch_us": round(torch_us, 2),
+                       "ratio": float(f"{ratio:.4g}"),  # significant digits: a ratio of 0.04 keeps 4
+                       "ratios": [float(f"{r:.4g}") for r in ratios], "processes": processes,
+                       "rounds": [w["rounds"] for w in got],
+                       "estimator": "median over processes of the median paired round ratio"}
+                if got[0]["malloc"]:
+                    rec["malloc"] = got[0]["malloc"]
                 if compile_twin:
-                    line += f" {best['compile']:>11.1f} {best['gradops'] / best['compile']:>6.2f}"
-                    rec["compile_us"] = round(best["compile"], 2)
+                    compile_us = statistics.median(w["compile_us"] for w in got)
+                    compile_ratio = statistics.median(w["compile_ratio"] for w in got)
+                    line += f" {compile_us:>11.1f} {compile_ratio:>6.2f}"
+                    rec["compile_us"] = round(compile_us, 2)
+                    rec["compile_ratio"] = float(f"{compile_ratio:.4g}")
                 print(line, flush=True)
                 rows.append(rec)
     if results is not None and rows:
@@ -194,3 +255,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+if __name__ == "__main__":  # a worker of run(): one case, one JSON line
+    print(json.dumps(measure(json.loads(sys.argv[1]))), flush=True)
