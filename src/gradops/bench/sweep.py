@@ -181,7 +181,8 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
     Hardswish 2048 x 512 1.06 / 0.90, repeatable per pattern), so a case's number depended on its place in the
     list. Why several: a fresh process still lands its buffers somewhere new, and on that VM the same case's
     paired ratio differed by up to 0.2 from one process to the next (Hardswish 2048 x 512 fp32: 0.88-1.10 over
-    ten) while the rounds within one process agreed. pyperf spawns worker processes for the same reason."""
+    ten processes; the VM's own state moves within minutes too). pyperf spawns worker processes for the same
+    reason."""
     rows: list[dict] = []
     head = f"{'module':<10} {'size':>11} {'dtype':<5} {'gradops µs':>11} {'torch µs':>10} {'ratio':>6} {'range':>11}"
     if compile_twin:
