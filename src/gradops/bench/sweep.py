@@ -68,7 +68,7 @@ def steady_malloc() -> str:
 
 
 def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device,
-          vocab: int = VOCAB) -> tuple[torch.nn.Module, torch.nn.Module]:
+          vocab: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     import gradops.nn as gnn
 
     torch.manual_seed(0)
