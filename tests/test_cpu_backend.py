@@ -72,7 +72,8 @@ def test_falls_back_to_torch_without_numba(monkeypatch):
 
 # ---------------------------------------------------------------- determinism across thread counts
 def _thread_cases():
-    """Shapes with more rows than row blocks (64) and an uneven split, duplicated embedding rows, K = 3."""
+    """Above the parallel threshold with an uneven split (301 x 200: row blocks of 76, 76, 76 and 73 rows),
+    duplicated embedding rows, K = 3."""
     g = torch.Generator().manual_seed(6)
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         x, dy = torch.randn(301, 200, generator=g).to(dt), torch.randn(301, 200, generator=g).to(dt)
@@ -120,7 +121,7 @@ def test_serial_and_parallel_loops_give_the_same_bits():
     rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
     dx, dgamma = cpu.rms_norm_grad(dy, x, rstd, gamma)
     dx2, dgamma2 = np.empty((m, n), np.float32), np.empty(n, np.float32)
-    partial = np.empty((row_blocks(m), n), np.float32)
+    partial = np.empty((row_blocks(m, n), n), np.float32)
     rn._rms_norm_grad_parallel(dy.numpy(), x.numpy(), rstd.numpy(), gamma.numpy(), dx2, partial)
     fold_partials(partial, dgamma2)
     assert torch.equal(dx, torch.from_numpy(dx2)) and torch.equal(dgamma, torch.from_numpy(dgamma2))

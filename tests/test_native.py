@@ -128,16 +128,31 @@ def test_thresholds_agree_with_the_python_path():
     from gradops.cpu import _host, _pool, embedding
 
     ext = native.module()
-    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.TABLE_ROWS) == (_host.PARALLEL_MIN, _host.ROW_BLOCKS,
-                                                                   embedding._ROWS)
+    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.BLOCK_ITEMS, ext.TABLE_ROWS) == (
+        _host.PARALLEL_MIN, _host.ROW_BLOCKS, _host.BLOCK_ITEMS, embedding._ROWS)
     assert ext.POOL_MIN == _pool.MIN_BYTES
+
+
+# (rows, cols, blocks): none; one item; 512 x 256 = 8 x 16 Ki items; 3 items past 2 blocks -> 4; capped by the rows
+# (5 rows of 1 Mi); 2048 x 512 = 64 x 16 Ki; capped at 64; 130 x 1000 (7.9 blocks' worth) -> 8.
+BLOCKS = [(0, 7, 1), (7, 0, 1), (1, 1, 1), (512, 256, 8), (2, 16385, 2), (3, 16385, 3), (4, 16385, 4),
+          (2, 24577, 2), (5, 1 << 20, 5), (2048, 512, 64), (8192, 4096, 64), (130, 1000, 8), (64, 520, 4)]
+
+
+@pytest.mark.parametrize(("rows", "cols", "blocks"), BLOCKS)
+def test_row_blocks_are_the_python_paths(rows, cols, blocks):
+    """The LayerNorm node sizes its partials as the Python path does (the bits of dgamma / dbeta follow the count):
+    a function of the shape alone."""
+    from gradops.cpu import _host
+
+    assert native.module().row_blocks(rows, cols) == _host.row_blocks(rows, cols) == blocks
 
 
 @pytest.mark.parametrize("make", [gnn.Hardswish, lambda: gnn.LayerNorm(1000)], ids=["Hardswish", "LayerNorm"])
 def test_same_bits_on_any_number_of_threads(make):
     """The nodes run on torch's intra-op threads (at::parallel_for): the pieces are elementwise, per row, or fixed
     row blocks folded in a fixed order, so one thread and two give the same bits (130 x 1000 fp32, above the
-    parallel threshold: 3 rows in each of row blocks 0-42, 1 in block 43, none in 44-63 - an uneven split)."""
+    parallel threshold: 17 rows in each of row blocks 0-6, 11 in block 7 - an uneven split)."""
     torch.manual_seed(0)
     module = make()
     x = torch.randn(130, 1000, requires_grad=True)

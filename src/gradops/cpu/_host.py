@@ -21,11 +21,19 @@ from torch import Tensor
 
 from . import _pool
 
-#: Row blocks of every cross-row reduction (dgamma, dbeta, LayerNormGradBeta). Fixed, so the partial sums and
-#: their order - hence the result bits - depend on the shape only, never on the thread count. 64 blocks keep 64
-#: threads busy while the fp32 partials stay small (64 x 4096 x 4 B = 1 MiB at N = 4096, 0.6% of the traffic of
-#: an 8192 x 4096 fp32 RMSNorm backward).
+#: Most row blocks of a cross-row reduction (dgamma, dbeta, LayerNormGradBeta). The count is a function of the
+#: shape only (:func:`row_blocks`), so the partial sums and their order - hence the result bits - never depend on
+#: the thread count. 64 blocks keep 64 threads busy while the fp32 partials stay small (64 x 4096 x 4 B = 1 MiB at
+#: N = 4096, 0.6% of the traffic of an 8192 x 4096 fp32 RMSNorm backward).
 ROW_BLOCKS = 64
+
+#: Least items (rows x cols) per row block below ROW_BLOCKS blocks. Each block zeroes, accumulates and hands the
+#: fold a partial row of its own, so blocks of a few rows make the partials a large share of the work: LayerNorm
+#: 512 x 256 fp32 forward + backward against torch.nn.LayerNorm (native node, fresh processes alternating, CI VM,
+#: 2026-11-24) was 0.91-0.94x with 64 blocks of 8 rows but 1.00-1.07x in processes where both sides ran slow
+#: (about one in four), where 8 blocks of 64 rows (16 Ki items each) gave 0.87-0.92x in either (32 blocks:
+#: 0.95-0.99x slow; 4 blocks: as 8). 16 Ki items is also TASK_ITEMS, the least work worth a task.
+BLOCK_ITEMS = 1 << 14
 
 
 #: Work (items of the main tensor) below which the entries run their loop serially: a parallel region costs ~1.6 µs
@@ -46,9 +54,12 @@ def dense(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def row_blocks(rows: int) -> int:
-    """Number of fixed row blocks for a reduction over ``rows`` rows (at least 1 so partials exist)."""
-    return max(1, min(ROW_BLOCKS, rows))
+def row_blocks(rows: int, cols: int) -> int:
+    """Number of fixed row blocks for a reduction over a ``rows x cols`` input: one per BLOCK_ITEMS items, rounded
+    up to a power of two (an even split over 2, 4, 8 ... threads), at most ROW_BLOCKS and ``rows``, at least 1 (so
+    partials exist). The shape alone decides it, hence the bits."""
+    want = -(-rows * cols // BLOCK_ITEMS)
+    return max(1, min(ROW_BLOCKS, rows, 1 << max(0, want - 1).bit_length()))
 
 
 def output(out: Tensor | None, shape: Sequence[int], dtype: torch.dtype) -> Tensor:

@@ -380,14 +380,14 @@ def layer_norm_grad_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, variance:
 
 def layer_norm_grad_beta_workspace(res_for_gamma: Tensor, dy: Tensor) -> int:
     """Bytes of the fp32 gamma and beta partials (one row each per row block)."""
-    return 2 * row_blocks(dy.shape[0]) * dy.shape[1] * 4
+    return 2 * row_blocks(*dy.shape) * dy.shape[1] * 4
 
 
 def _grad_beta_run(res_for_gamma: Tensor, dy: Tensor, pd_gamma: Tensor, pd_beta: Tensor, m: int, n: int,
                    workspace: Tensor | None) -> None:
     if not n:
         return
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     size = nblk * n * 4
     pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
     pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)
@@ -418,7 +418,7 @@ def layer_norm_grad_beta_shaped(plan: LayerNormPlan, res_for_gamma: Tensor, dy: 
 
 def layer_norm_backward_workspace(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> int:
     """Bytes of the fp32 dgamma and dbeta partials."""
-    return 2 * row_blocks(x.shape[0]) * x.shape[1] * 4
+    return 2 * row_blocks(*x.shape) * x.shape[1] * 4
 
 
 def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, dx: Tensor, dgamma: Tensor,
@@ -432,7 +432,7 @@ def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tens
         dgamma.zero_()
         dbeta.zero_()
         return
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     size = nblk * n * 4
     pg = scratch(workspace, 2 * size, 0, np.float32, nblk * n).reshape(nblk, n)
     pb = scratch(workspace, 2 * size, size, np.float32, nblk * n).reshape(nblk, n)

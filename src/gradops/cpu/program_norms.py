@@ -121,7 +121,7 @@ def _rms_norm_grad(plan, dy, x, rstd, gamma):
     m, n = plan.rows, plan.cols
     if not m or not n or rstd.dtype != torch.float32:
         return None
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     p = Program()
     dx, dgamma = p.output(dy.shape, dy.dtype), p.output(gamma.shape, torch.float32)
     partial = p.buffer((nblk, n), torch.float32)
@@ -236,7 +236,7 @@ def _layer_norm_grad_beta(plan, res_for_gamma, dy):
     m, n = plan
     if not m or not n:
         return None
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     p = Program()
     pd_gamma, pd_beta = p.output((n,), dy.dtype), p.output((n,), dy.dtype)
     pg, pb = p.buffer((nblk, n), torch.float32), p.buffer((nblk, n), torch.float32)
@@ -250,7 +250,7 @@ def _layer_norm_backward(plan, dy, x, mean, rstd, gamma):
     m, n = plan
     if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
         return None
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     p = Program()
     dx = p.output(x.shape, x.dtype)
     dgamma, dbeta = p.output(gamma.shape, torch.float32), p.output(gamma.shape, torch.float32)

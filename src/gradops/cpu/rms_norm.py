@@ -1,7 +1,7 @@
 """RmsNorm forward and RmsNormGrad as numba kernels (row-parallel, fp32 math, deterministic dgamma).
 
 Byte model of the backward (what ``gradops bench`` divides by): ``M·N·(s_dy + s_x + s_dx) + 4·M + N·(s_g + 4)``;
-the fp32 dgamma partials (``ROW_BLOCKS x N x 4`` bytes, written and read once) stay in cache at LLM shapes.
+the fp32 dgamma partials (``row_blocks(M, N) x N x 4`` bytes, written and read once) stay in cache at LLM shapes.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def rms_norm_shaped(plan: RmsNormPlan, x: Tensor, gamma: Tensor, epsilon: float)
 def rms_norm_grad_workspace(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> int:
     """Bytes of scratch :func:`rms_norm_grad` needs: the fp32 dgamma partials, one row per row block."""
     m, n = x.shape
-    return row_blocks(m) * n * 4
+    return row_blocks(m, n) * n * 4
 
 
 def _rms_norm_grad_run(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, dx: Tensor, dgamma: Tensor, m: int,
@@ -179,7 +179,7 @@ def _rms_norm_grad_run(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, dx: T
     if m == 0 or n == 0:
         dgamma.zero_()
         return
-    nblk = row_blocks(m)
+    nblk = row_blocks(m, n)
     partial = scratch(workspace, nblk * n * 4, 0, np.float32, nblk * n).reshape(nblk, n)
     dy, x, rstd, gamma = dense(dy), dense(x), dense(rstd.float()), dense(gamma)
     _rms_norm_grad_entry(dy.data_ptr(), x.data_ptr(), STORAGE[x.dtype], rstd.data_ptr(), gamma.data_ptr(),

@@ -39,6 +39,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cmath>
@@ -68,10 +69,20 @@ PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-// Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS; table rows per block of the embedding
-// backward: gradops.cpu.embedding's block rows (checked by the same test).
+// Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS and BLOCK_ITEMS; table rows per block of the
+// embedding backward: gradops.cpu.embedding's block rows (checked by the same test).
 constexpr int64_t kRowBlocks = 64;
+constexpr int64_t kBlockItems = 1 << 14;
 constexpr int64_t kTableRows = 64;
+
+// gradops.cpu._host.row_blocks: one block per kBlockItems items rounded up to a power of two, at most kRowBlocks
+// and ``rows``, at least 1 (tests/test_native.py compares the two over a range of shapes).
+int64_t row_blocks(int64_t rows, int64_t cols) {
+  const int64_t want = (rows * cols + kBlockItems - 1) / kBlockItems;
+  int64_t pow2 = 1;
+  while (pow2 < want && pow2 < kRowBlocks) pow2 *= 2;
+  return std::max<int64_t>(1, std::min<int64_t>({kRowBlocks, rows, pow2}));
+}
 
 // A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
 using Kernels = std::vector<int64_t>;
@@ -405,7 +416,7 @@ struct LayerNormBackward : public torch::autograd::Node {
     Tensor dgamma = at::empty(gamma.sizes(), f32);
     Tensor dbeta = at::empty(gamma.sizes(), f32);
     // Fixed row blocks, each with its own partial row: the Python path's (gradops.cpu._host.row_blocks).
-    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kRowBlocks, m));
+    const int64_t blocks = row_blocks(m, n);
     Tensor pg = at::empty({blocks, n}, f32);
     Tensor pb = at::empty({blocks, n}, f32);
     const int64_t grain = m * n < kParallelMin ? blocks : 1;
@@ -804,6 +815,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
   m.attr("PARALLEL_MIN") = kParallelMin;
   m.attr("ROW_BLOCKS") = kRowBlocks;
+  m.attr("BLOCK_ITEMS") = kBlockItems;
+  m.def("row_blocks", &row_blocks, "The row blocks of a reduction over a rows x cols input (for the tests).");
   m.attr("POOL_MIN") = kPoolMin;
   m.attr("EMBEDDING") = static_cast<int64_t>(kEmbedding);
   m.attr("TABLE_ROWS") = kTableRows;
