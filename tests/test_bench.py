@@ -95,20 +95,43 @@ def test_sweep_times_each_module_against_torch_and_writes_jsonl(tmp_path, capsys
     sweep = importlib.import_module("gradops.bench.sweep")
     monkeypatch.setattr(sweep, "SIZES", ((8, 8), (16, 32)))
     monkeypatch.setattr(sweep, "VOCAB", 50)
+    # one function through the workers (every one runs in-process below: a worker costs ~2 s of imports)
+    monkeypatch.setattr(sweep, "OPS", ("moe_token_unpermute_grad",))
     assert main(["bench", "--sweep", "--dtype", "fp32", "--budget", "0.01", "--processes", "2", "--malloc", "glibc",
                  "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for module in sweep.MODULES:
-        assert f"\n{module} " in out, module
+    for name in (*sweep.MODULES, *sweep.OPS):
+        assert f"\n{name} " in out, name
     (path,) = tmp_path.glob("sweep-cpu-*.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert {(r["module"], r["rows"], r["cols"]) for r in rows} == {(m, r, c) for m in sweep.MODULES
-                                                                   for r, c in ((8, 8), (16, 32))}
+    cases = {(r.get("module") or r["op"], r["rows"], r["cols"]) for r in rows}
+    assert cases == {(m, r, c) for m in (*sweep.MODULES, *sweep.OPS) for r, c in ((8, 8), (16, 32))}
+    assert {r["twin"] for r in rows if "op" in r} == {"autograd of index_select, weight, sum"}
+    assert {r["shape"]["K"] for r in rows if r.get("op") == "moe_token_unpermute_grad"} == {sweep.TOP_K}
     for r in rows:
         assert r["processes"] == 2 and len(r["ratios"]) == 2 and all(n >= 5 for n in r["rounds"])
         assert r["ratio"] == pytest.approx(statistics.median(r["ratios"]), rel=1e-3)
         assert r["gradops_us"] > 0 and r["torch_us"] > 0 and all(q > 0 for q in r["ratios"])
     assert {r["malloc"] for r in rows} == {"glibc defaults"}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sweep_times_every_backward_function_against_its_eager_twin(dtype):
+    """Each registered backward function maps to a shape at a sweep size, and a worker's measurement of it pairs
+    gradops' call with the eager twin's (in this process, as a worker runs it)."""
+    sweep = __import__("gradops.bench.sweep", fromlist=["measure"])
+    from gradops.bench.cases import EAGER
+
+    assert set(sweep.OPS) == set(EAGER)
+    for op in sweep.OPS:
+        got = sweep.measure({"op": op, "rows": 16, "cols": 32, "dtype": dtype, "device": "cpu", "compile": False,
+                             "budget": 0.0, "vocab": 50, "malloc": "glibc"})
+        assert got["rounds"] == 5 and got["gradops_us"] > 0 and got["torch_us"] > 0, op
+        assert got["ratio"] > 0 and "compile_ratio" not in got, op
+    assert sweep.op_shape("moe_token_permute_grad", 16, 32, 50) == {"T": 16, "K": sweep.TOP_K, "H": 32}
+    assert sweep.op_shape("hardswish_backward", 16, 32, 50) == {"n": 512}
+    with pytest.raises(ValueError, match="no sweep shape"):
+        sweep.op_shape("not_an_op", 16, 32, 50)
 
 
 def test_paired_ratio_compares_rounds_not_best_times():
@@ -180,10 +203,13 @@ def test_sweep_with_compile_adds_the_compiled_twin(tmp_path, capsys, monkeypatch
     sweep = importlib.import_module("gradops.bench.sweep")
     monkeypatch.setattr(sweep, "SIZES", ((8, 8),))
     monkeypatch.setattr(sweep, "MODULES", ("Hardswish",))
+    monkeypatch.setattr(sweep, "OPS", ("hardswish_backward",))
     assert main(["bench", "--sweep", "--sweep-compile", "--dtype", "fp32", "--budget", "0.01", "--processes", "1",
                  "--no-save"]) == 0
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Hardswish"))
-    assert len(line.split()) == 9  # module, size, dtype, gradops, torch, ratio, range, compile, ratio
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("Hardswish", "hardswish_backward"):
+        line = next(ln for ln in lines if ln.startswith(name + " "))
+        assert len(line.split()) == 9, line  # name, size, dtype, gradops, torch, ratio, range, compile, ratio
 
 
 def test_models_times_patched_against_transformers_and_its_experts_backends(tmp_path, capsys, monkeypatch):

@@ -5,12 +5,12 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 (fresh outputs, and ``out=`` preallocated) over each peer. Results are appended as JSON lines to
 ``<results>/<device>-<date>.jsonl`` and drawn to ``<results>/<device>-<date>.png``.
 
-``--sweep`` instead times each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, from 8 x 8
-to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--models`` times whole transformers models, patched against
-unpatched (:mod:`gradops.bench.models`). ``--per-call`` measures what one call of each public function costs
-at 8 x 8 fp32 (direct path, through the op, and ATen's twin: :mod:`gradops.bench.per_call`). ``--compile-cost``
-measures the first-call cost of the compiled CPU kernels in fresh processes, with an empty numba cache (cold) and
-with the cache that run filled (cached).
+``--sweep`` instead times each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, and each
+backward function against its eager twin, from 8 x 8 to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--models``
+times whole transformers models, patched against unpatched (:mod:`gradops.bench.models`). ``--per-call`` measures
+what one call of each public function costs at 8 x 8 fp32 (direct path, through the op, and ATen's twin:
+:mod:`gradops.bench.per_call`). ``--compile-cost`` measures the first-call cost of the compiled CPU kernels in
+fresh processes, with an empty numba cache (cold) and with the cache that run filled (cached).
 
 Before any timing it refuses, in one line (exit status 2), what would waste the run: a ``--results`` folder it
 cannot write (the results are written at the end), ``--device cuda`` without one, a ``--dtype`` the mode does not
@@ -72,13 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-call", action="store_true",
                         help="measure every public function's per-call cost at 8 x 8 fp32 against ATen, and exit")
     parser.add_argument("--sweep", action="store_true",
-                        help="time every gradops.nn module against torch.nn (forward + backward) from 8 x 8 to "
-                        "4096 x 1024, and exit")
+                        help="time every gradops.nn module against torch.nn (forward + backward) and every "
+                        "backward function against its eager twin, from 8 x 8 to 4096 x 1024, and exit")
     parser.add_argument("--models", action="store_true",
                         help="whole Hugging Face transformers models (Llama, Qwen3-MoE), patched vs unpatched vs "
                              "transformers' experts backends, forward + backward (needs transformers >= 5.23)")
     parser.add_argument("--sweep-compile", action="store_true",
-                        help="with --sweep: also torch.compile(torch module) (dynamic shapes)")
+                        help="with --sweep: also torch.compile(torch module) (dynamic shapes) and of each function's "
+                        "pure-torch reference")
     parser.add_argument("--malloc", choices=("steady", "glibc"), default=None,
                         help="with --sweep on CPU: steady (default) turns glibc's heap trimming off and serves "
                              "allocations up to 32 MiB from the heap, so that neither side's step time depends on "

@@ -260,6 +260,15 @@ def _moe_token_unpermute_grad(shape, dtype, device, peers) -> Case:
     return case
 
 
+#: What each case's ``eager`` provider runs: the kernel or PyTorch code the gradops function replaces.
+EAGER = {
+    "rms_norm_grad": "autograd of F.rms_norm", "layer_norm_backward": "aten.native_layer_norm_backward",
+    "layer_norm_grad+beta": "aten.native_layer_norm_backward", "hardswish_backward": "aten.hardswish_backward",
+    "embedding_dense_backward": "aten.embedding_dense_backward",
+    "moe_token_permute_grad": "index_add_ into zeros (Megatron)",
+    "moe_token_unpermute_grad": "autograd of index_select, weight, sum",
+}
+
 #: One builder per ``gradops bench`` case, named as :data:`gradops.registry.BENCH` names them.
 BUILDERS = {
     "rms_norm_grad": _rms_norm_grad, "layer_norm_backward": _layer_norm_backward,

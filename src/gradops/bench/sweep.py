@@ -1,5 +1,5 @@
-"""``gradops bench --sweep``: each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, from
-8 x 8 to the sizes where the kernels win, in one run.
+"""``gradops bench --sweep``: each ``gradops.nn`` module against its ``torch.nn`` twin, forward + backward, and each
+backward function against what it replaces, from 8 x 8 to the sizes where the kernels win, in one run.
 
 What a user swaps in is a module at the size they train; this answers "is it slower there?" for every size at
 once. Each case times one training-style step - forward, a dense upstream gradient (``(y * w).sum()``, so the
@@ -7,9 +7,17 @@ backward sees a contiguous gradient as it does after a Linear), backward - for g
 alternating rounds, in a few fresh worker processes of its own (see :func:`run`), and reports each side's median
 round and the ratio gradops / torch (below 1: gradops faster): per process the median over rounds of the two
 sides' ratio in the same round, over processes the median of those. ``torch.compile`` of the torch twin joins
-with ``--sweep-compile`` (compiled in each worker, outside the timed rounds). Writes
-``sweep-<device>-<date>.jsonl`` (with each process's ratio) and, with matplotlib, ``sweep-<device>-<date>.png``
-(ratio against elements, one line per module and dtype).
+with ``--sweep-compile`` (compiled in each worker, outside the timed rounds).
+
+The functions' part times each public backward function (``gradops bench``'s cases, :mod:`gradops.bench.cases`)
+the same way against its ``eager`` provider - the ATen kernel it replaces where there is one
+(``native_layer_norm_backward``, ``hardswish_backward``, ``embedding_dense_backward``), else the PyTorch code a
+model runs (:data:`gradops.bench.cases.EAGER`) - and, with ``--sweep-compile``, ``torch.compile`` of gradops' pure
+torch reference; each size maps to the op's shape by :func:`op_shape`.
+
+Writes ``sweep-<device>-<date>.jsonl`` (with each process's ratio; a module's record names its ``module``, a
+function's its ``op``) and, with matplotlib, ``sweep-<device>-<date>.png`` (ratio against elements, one line per
+module or function and dtype).
 """
 
 from __future__ import annotations
@@ -27,12 +35,18 @@ from pathlib import Path
 
 import torch
 
+from gradops.registry import BENCH
+
 #: (rows, columns) of the activation: 8 x 8 up to 4096 x 1024 (issue 9's table, plus the per-call end).
 SIZES = ((8, 8), (64, 128), (512, 256), (2048, 512), (4096, 1024))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODULES = ("RMSNorm", "LayerNorm", "Hardswish", "Embedding")
+#: The backward functions, as ``gradops bench`` names its cases.
+OPS = BENCH
 #: Embedding: rows are tokens, columns the embedding width; the table has this many rows.
 VOCAB = 32000
+#: The MoE functions: rows are tokens, each routed to this many experts (Mixtral's top-2), columns the hidden size.
+TOP_K = 2
 #: Worker processes per case (see :func:`run`); ``--processes`` changes it.
 PROCESSES = 3
 #: Rounds per case and process at most: 8 x 8 cases take ~0.1 ms a step, so 2 s would allow thousands.
@@ -84,6 +98,21 @@ def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device,
     return ours, twin
 
 
+def op_shape(op: str, rows: int, cols: int, vocab: int) -> dict:
+    """The shape of backward function ``op`` at a sweep size: the norms' M x N, hardswish's ``rows·cols``
+    elements, the embedding's T tokens of width D into a ``vocab``-row table, the MoE functions' T tokens of
+    hidden size H routed to :data:`TOP_K` experts each."""
+    if op in ("rms_norm_grad", "layer_norm_backward", "layer_norm_grad+beta"):
+        return {"M": rows, "N": cols}
+    if op == "hardswish_backward":
+        return {"n": rows * cols}
+    if op == "embedding_dense_backward":
+        return {"T": rows, "D": cols, "V": vocab}
+    if op in ("moe_token_permute_grad", "moe_token_unpermute_grad"):
+        return {"T": rows, "K": TOP_K, "H": cols}
+    raise ValueError(f"no sweep shape for {op!r}")
+
+
 def _step(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> Callable[[], None]:
     params = list(module.parameters())
 
@@ -133,13 +162,8 @@ def _paired(ours: list[float], theirs: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
-def measure(spec: dict) -> dict:
-    """One case in this process (a worker's job): ``spec`` names the module, size, dtype, device, whether the
-    compiled twin joins, the timing budget, the Embedding vocabulary and the allocator setting. Returns each side's
-    median round (µs), the paired ratios and the number of rounds."""
-    device = torch.device(spec["device"])
-    malloc = {"steady": steady_malloc, "glibc": lambda: "glibc defaults"}.get(spec["malloc"], lambda: None)()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+def _module_cases(spec: dict, device: torch.device) -> dict[str, Callable[[], None]]:
+    """A module's training step for gradops' module, torch's twin and (``spec["compile"]``) the compiled twin."""
     name, rows_n, cols, dtype = spec["module"], spec["rows"], spec["cols"], DTYPES[spec["dtype"]]
     ours, twin = _pair(name, cols, dtype, device, spec["vocab"])
     g = torch.Generator(device="cpu").manual_seed(rows_n * cols)
@@ -150,8 +174,35 @@ def measure(spec: dict) -> dict:
         x = torch.randn(rows_n, cols, generator=g).to(device, dtype).requires_grad_()
         w = torch.randn(rows_n, cols, generator=g).to(device, dtype)
     cases = {"gradops": _step(ours, x, w), "torch": _step(twin, x, w)}
-    if spec["compile"]:  # compiled here, outside the timed rounds
+    if spec["compile"]:  # compiled here; its first calls are _rounds' warm-up, outside the timed rounds
         cases["compile"] = _step(torch.compile(twin), x, w)
+    return cases
+
+
+def _op_cases(spec: dict, device: torch.device) -> dict[str, Callable[[], None]]:
+    """A backward function as a user calls it (new outputs), its eager twin and (``spec["compile"]``) the compiled
+    reference: ``gradops bench``'s providers of the case at :func:`op_shape`."""
+    from .cases import BUILDERS
+
+    torch.manual_seed(spec["rows"] * spec["cols"])
+    case = BUILDERS[spec["op"]](op_shape(spec["op"], spec["rows"], spec["cols"], spec["vocab"]),
+                                DTYPES[spec["dtype"]], device, {"compile"} if spec["compile"] else set())
+    cases = {"gradops": case.providers["gradops"], "torch": case.providers["eager"]}
+    if spec["compile"]:
+        if "compile" not in case.providers:
+            raise RuntimeError(f"{spec['op']}: {case.notes.get('compile', 'no compiled twin')}")
+        cases["compile"] = case.providers["compile"]
+    return cases
+
+
+def measure(spec: dict) -> dict:
+    """One case in this process (a worker's job): ``spec`` names the module (or the backward function, ``op``),
+    size, dtype, device, whether the compiled twin joins, the timing budget, the Embedding vocabulary and the
+    allocator setting. Returns each side's median round (µs), the paired ratios and the number of rounds."""
+    device = torch.device(spec["device"])
+    malloc = {"steady": steady_malloc, "glibc": lambda: "glibc defaults"}.get(spec["malloc"], lambda: None)()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cases = (_op_cases if "op" in spec else _module_cases)(spec, device)
     means = _rounds(cases, spec["budget"], sync)
     out = {"malloc": malloc, "rounds": len(means["gradops"]), "ratio": _paired(means["gradops"], means["torch"])}
     for side, values in means.items():
@@ -165,9 +216,42 @@ def _worker(spec: dict) -> dict:
     """:func:`measure` in a fresh interpreter (``python -m gradops.bench.sweep SPEC``); its last stdout line."""
     done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"sweep worker for {spec['module']} {spec['rows']}x{spec['cols']} {spec['dtype']} "
+        what = spec.get("module", spec.get("op"))
+        raise RuntimeError(f"sweep worker for {what} {spec['rows']}x{spec['cols']} {spec['dtype']} "
                            f"exited {done.returncode}:\n{done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _case(spec: dict, processes: int, env: dict) -> tuple[dict, str]:
+    """One case in ``processes`` workers: its JSONL record and its table line (after the name)."""
+    got = [_worker(spec) for _ in range(processes)]
+    ratios = [w["ratio"] for w in got]
+    ratio = statistics.median(ratios)
+    gradops_us = statistics.median(w["gradops_us"] for w in got)
+    torch_us = statistics.median(w["torch_us"] for w in got)
+    size = f"{spec['rows']}x{spec['cols']}"
+    line = (f"{size:>11} {spec['dtype']:<5} {gradops_us:>11.1f} {torch_us:>10.1f} {ratio:>6.2f} "
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11}")
+    kind = "module" if "module" in spec else "op"
+    rec = {**env, "bench": "sweep", kind: spec[kind], "rows": spec["rows"], "cols": spec["cols"],
+           "dtype": spec["dtype"], "gradops_us": round(gradops_us, 2), "torch_us": round(torch_us, 2),
+           "ratio": float(f"{ratio:.4g}"),  # significant digits: a ratio of 0.04 keeps 4
+           "ratios": [float(f"{r:.4g}") for r in ratios], "processes": processes,
+           "rounds": [w["rounds"] for w in got], "estimator": "median over processes of the median paired round ratio"}
+    if kind == "op":
+        from .cases import EAGER
+
+        rec["shape"] = op_shape(spec["op"], spec["rows"], spec["cols"], spec["vocab"])
+        rec["twin"] = EAGER[spec["op"]]
+    if got[0]["malloc"]:
+        rec["malloc"] = got[0]["malloc"]
+    if spec["compile"]:
+        compile_us = statistics.median(w["compile_us"] for w in got)
+        compile_ratio = statistics.median(w["compile_ratio"] for w in got)
+        line += f" {compile_us:>11.1f} {compile_ratio:>6.2f}"
+        rec["compile_us"] = round(compile_us, 2)
+        rec["compile_ratio"] = float(f"{compile_ratio:.4g}")
+    return rec, line
 
 
 def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: float, results: Path | None,
@@ -184,42 +268,26 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
     ten processes; the VM's own state moves within minutes too). pyperf spawns worker processes for the same
     reason."""
     rows: list[dict] = []
-    head = f"{'module':<10} {'size':>11} {'dtype':<5} {'gradops µs':>11} {'torch µs':>10} {'ratio':>6} {'range':>11}"
-    if compile_twin:
-        head += f" {'compile µs':>11} {'ratio':>6}"
     print(f"gradops bench --sweep on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"backend {env['gradops_backend']}; forward + backward per step; each case in {processes} fresh "
+          f"backend {env['gradops_backend']}; each case in {processes} fresh "
           f"process{'es' if processes > 1 else ''}: median round, median paired ratio (range: per process)",
           flush=True)
-    print(head + "\n" + "-" * len(head), flush=True)
-    for name in MODULES:
-        for dname in dtypes:
-            for rows_n, cols in SIZES:
-                spec = {"module": name, "rows": rows_n, "cols": cols, "dtype": dname, "device": str(device),
-                        "compile": compile_twin, "budget": budget_s, "vocab": VOCAB, "malloc": malloc}
-                got = [_worker(spec) for _ in range(processes)]
-                ratios = [w["ratio"] for w in got]
-                ratio = statistics.median(ratios)
-                gradops_us = statistics.median(w["gradops_us"] for w in got)
-                torch_us = statistics.median(w["torch_us"] for w in got)
-                line = (f"{name:<10} {f'{rows_n}x{cols}':>11} {dname:<5} {gradops_us:>11.1f} {torch_us:>10.1f} "
-                        f"{ratio:>6.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>11}")
-                rec = {**env, "bench": "sweep", "module": name, "rows": rows_n, "cols": cols, "dtype": dname,
-                       "gradops_us": round(gradops_us, 2), "torch_us": round(torch_us, 2),
-                       "ratio": float(f"{ratio:.4g}"),  # significant digits: a ratio of 0.04 keeps 4
-                       "ratios": [float(f"{r:.4g}") for r in ratios], "processes": processes,
-                       "rounds": [w["rounds"] for w in got],
-                       "estimator": "median over processes of the median paired round ratio"}
-                if got[0]["malloc"]:
-                    rec["malloc"] = got[0]["malloc"]
-                if compile_twin:
-                    compile_us = statistics.median(w["compile_us"] for w in got)
-                    compile_ratio = statistics.median(w["compile_ratio"] for w in got)
-                    line += f" {compile_us:>11.1f} {compile_ratio:>6.2f}"
-                    rec["compile_us"] = round(compile_us, 2)
-                    rec["compile_ratio"] = float(f"{compile_ratio:.4g}")
-                print(line, flush=True)
-                rows.append(rec)
+    parts = (("module", MODULES, 10, "modules, forward + backward per step, against torch.nn"),
+             ("op", OPS, 24, "backward functions against their eager twin (gradops.bench.cases.EAGER)"))
+    for kind, names, width, title in parts:
+        head = (f"{kind:<{width}} {'size':>11} {'dtype':<5} {'gradops µs':>11} {'torch µs':>10} {'ratio':>6} "
+                f"{'range':>11}")
+        if compile_twin:
+            head += f" {'compile µs':>11} {'ratio':>6}"
+        print(f"\n{title}\n{head}\n{'-' * len(head)}", flush=True)
+        for name in names:
+            for dname in dtypes:
+                for rows_n, cols in SIZES:
+                    spec = {kind: name, "rows": rows_n, "cols": cols, "dtype": dname, "device": str(device),
+                            "compile": compile_twin, "budget": budget_s, "vocab": VOCAB, "malloc": malloc}
+                    rec, line = _case(spec, processes, env)
+                    print(f"{name:<{width}} {line}", flush=True)
+                    rows.append(rec)
     if results is not None and rows:
         stem = f"sweep-{device.type}-{datetime.date.today().isoformat()}"
         results.mkdir(parents=True, exist_ok=True)
@@ -238,19 +306,26 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        series.setdefault(f"{r['module']} {r['dtype']}", []).append((r["rows"] * r["cols"], r["ratio"]))
-    for label, points in series.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.axhline(1.0, color="black", linestyle="dashed", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("elements per activation (rows x columns)")
-    ax.set_ylabel("time gradops / torch (forward + backward; below 1: gradops faster)")
-    ax.set_title(f"gradops.nn vs torch.nn — {rows[0].get('device_name', '')}" if rows else "gradops.nn vs torch.nn")
-    ax.legend(fontsize=7, ncol=2)
+    panels = [(kind, ylabel, title) for kind, ylabel, title in (
+        ("module", "time gradops / torch (forward + backward)", "gradops.nn vs torch.nn"),
+        ("op", "time gradops / eager twin", "backward functions vs their eager twin"),
+    ) if any(kind in r for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5), squeeze=False)
+    device = rows[0].get("device_name", "") if rows else ""
+    for ax, (kind, ylabel, title) in zip(axes[0], panels):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if kind in r:
+                series.setdefault(f"{r[kind]} {r['dtype']}", []).append((r["rows"] * r["cols"], r["ratio"]))
+        for label, points in series.items():
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.axhline(1.0, color="black", linestyle="dashed", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("elements per activation (rows x columns)")
+        ax.set_ylabel(f"{ylabel}; below 1: gradops faster")
+        ax.set_title(f"{title} — {device}" if device else title)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
