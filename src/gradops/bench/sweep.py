@@ -313,13 +313,17 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5), squeeze=False)
     device = rows[0].get("device_name", "") if rows else ""
     for ax, (kind, ylabel, title) in zip(axes[0], panels):
-        series: dict[str, list[tuple[int, float]]] = {}
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
             if kind in r:
-                series.setdefault(f"{r[kind]} {r['dtype']}", []).append((r["rows"] * r["cols"], r["ratio"]))
-        for label, points in series.items():
+                series.setdefault((r[kind], r["dtype"]), []).append((r["rows"] * r["cols"], r["ratio"]))
+        names = list(dict.fromkeys(name for name, _ in series))
+        for (name, dtype), points in series.items():
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            # one colour per module or function (seven functions outnumber no cycle), one line style per dtype
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {dtype}",
+                    color=plt.get_cmap("tab10")(names.index(name) % 10),
+                    linestyle="solid" if dtype == "fp32" else "dashed")
         ax.axhline(1.0, color="black", linestyle="dashed", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("elements per activation (rows x columns)")
