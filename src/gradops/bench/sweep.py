@@ -320,7 +320,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         names = list(dict.fromkeys(name for name, _ in series))
         for (name, dtype), points in series.items():
             points.sort()
-            # one colour per module or function (seven functions outnumber no cycle), one line style per dtype
+            # a colour per module or function, a line style per dtype: 14 function series would repeat the
+            # default 10-colour cycle (two functions drawn alike)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {dtype}",
                     color=plt.get_cmap("tab10")(names.index(name) % 10),
                     linestyle="solid" if dtype == "fp32" else "dashed")
