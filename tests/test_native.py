@@ -133,10 +133,12 @@ def test_thresholds_agree_with_the_python_path():
     assert ext.POOL_MIN == _pool.MIN_BYTES
 
 
-# (rows, cols, blocks): none; one item; 512 x 256 = 8 x 16 Ki items; 3 items past 2 blocks -> 4; capped by the rows
-# (5 rows of 1 Mi); 2048 x 512 = 64 x 16 Ki; capped at 64; 130 x 1000 (7.9 blocks' worth) -> 8.
-BLOCKS = [(0, 7, 1), (7, 0, 1), (1, 1, 1), (512, 256, 8), (2, 16385, 2), (3, 16385, 3), (4, 16385, 4),
-          (2, 24577, 2), (5, 1 << 20, 5), (2048, 512, 64), (8192, 4096, 64), (130, 1000, 8), (64, 520, 4)]
+# (rows, cols, blocks): none; one item; exactly 16 Ki items -> 1, one more column -> 2; 2.4 blocks' worth -> 4 and
+# 4.9 -> 8 (rounded up to a power of two); 512 x 256 = 8 x 16 Ki; capped by the rows (3 rows of 3 blocks' worth,
+# 5 rows of 1 Mi); 2048 x 512 = 64 x 16 Ki; capped at 64; 130 x 1000 -> 8; 64 x 520 (the accuracy test's) -> 4.
+BLOCKS = [(0, 7, 1), (7, 0, 1), (1, 1, 1), (128, 128, 1), (128, 129, 2), (40, 1000, 4), (80, 1000, 8),
+          (512, 256, 8), (3, 16385, 3), (5, 1 << 20, 5), (2048, 512, 64), (8192, 4096, 64), (130, 1000, 8),
+          (64, 520, 4)]
 
 
 @pytest.mark.parametrize(("rows", "cols", "blocks"), BLOCKS)
