@@ -171,6 +171,10 @@ def _hardswish_inputs(r, dtypes):
         yield f"range-{tag}", "all three branches", r.uniform(5, 37, lo=-6.0, hi=6.0, dtype=d)
         boundary = torch.tensor([-3.0, 3.0, -3.0001, 3.0001, -2.9999, 2.9999, 0.0, -0.0, -100.0, 100.0])
         yield f"boundaries-{tag}", "exact +-3 (closed interval) and their neighbours", boundary.to(d).to(r.device)
+        # 10 x 21 = 210 items: 6 steps of 32 fp32 items (3 of 64 half items) in the CPU kernel's stepped loop and a
+        # tail of 18 - the boundaries above are too few to reach the steps, which a 10-item tensor skips.
+        yield (f"boundaries-steps-{tag}", "+-3 and neighbours inside the stepped vector loop and its tail",
+               boundary.repeat(21).to(d).to(r.device))
         yield f"scalar-{tag}", "0-d tensor", r.uniform(lo=-4.0, hi=4.0, dtype=d)
         yield f"empty-{tag}", "empty tensor", r.normal(0, 3, dtype=d)
         yield f"noncontig-{tag}", "non-contiguous (transposed, sliced)", r.uniform(8, 12, lo=-5.0, hi=5.0, dtype=d).t()[::2]
