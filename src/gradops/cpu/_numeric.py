@@ -132,5 +132,5 @@ def two_lines(a):  # pragma: no cover - replaced by the overload inside compiled
 
 @overload(two_lines)
 def _two_lines(a):
-    items = 128 // a.dtype.bitwidth * 8
+    items = 128 * 8 // a.dtype.bitwidth  # bytes x bits per byte / bits per item: 32 float32, 64 bf16 / fp16
     return lambda a: items

@@ -50,7 +50,7 @@ def _hardswish_backward_chunk(g, x, out):  # pragma: no cover - compiled
     two threads run slower together about half the time (two threads 1.6x one thread there, 2.5x otherwise; one
     thread alone never changes), and there, 4 Mi fp32 elements on two threads (2026-11-24, 6 processes, paired):
     LLVM's loop 0.88-1.37 ms, ATen's hardswish_backward 0.73-1.05, this loop 0.70-1.04 (0.94-1.01x ATen in every
-    round of both states). Four vectors a step 0.76-1.09 ms, one 1.4-1.6; software prefetch 4 KiB
+    round of both states). Four vectors a step 0.76-1.09 ms, one vector a step 1.4-1.6; software prefetch 4 KiB
     ahead 0.79-1.07; non-temporal stores and 256-bit vectors gained nothing. Through gradops' call (its output pool)
     0.89-0.97x ATen in the slow state and 0.76-0.92x in the other (8 processes, 32 rounds), against 1.06-1.28x
     before in the slow one."""
