@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rank_exit import end_rank
+
 H, E, K = 16, 8, 2
 
 
@@ -72,6 +74,7 @@ def run(rank: int, world: int, store: str, out: str) -> None:
     except Exception:
         Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    end_rank()
 
 
 def _scenarios(rank: int, world: int, out: Path) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rank_exit import end_rank
+
 #: 4 experts, top-2, 2 layers: with 2 ranks each owns 2 experts.
 CONFIG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -88,6 +90,7 @@ def run(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
     except Exception:
         Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    end_rank()
 
 
 def _scenarios(rank: int, world: int, path: Path, out: Path) -> None:
