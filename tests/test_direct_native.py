@@ -87,6 +87,73 @@ def test_every_op_has_samples_on_the_direct_path():
         assert len(taken) >= 2, (op, taken)
 
 
+def _table(v: int, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """A (v, e) table holding NaN, +-inf and -0.0 besides random values: a lookup copies bits, whatever they are."""
+    w = torch.randn(v, e, generator=torch.Generator().manual_seed(v * 131 + e))
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    w.view(-1)[:4] = special[:w.numel()]
+    return w.to(dtype)
+
+
+# The lookup's calls: (weight, indices, padding_idx, scale_grad_by_freq), what each one is for.
+_LOOKUPS = {
+    "int64-1d-fp32": lambda: (_table(10, 7, torch.float32), torch.tensor([3, 0, 9, 3, 1]), -1, False),
+    "int32-2d-bf16": lambda: (_table(10, 7, torch.bfloat16), torch.randint(0, 10, (3, 4), dtype=torch.int32), 2, False),
+    "int64-3d-fp16-scale": lambda: (_table(6, 5, torch.float16), torch.randint(0, 6, (2, 3, 2)), 0, True),
+    "0d-index": lambda: (_table(4, 3, torch.float32), torch.tensor(2), -1, False),
+    "padding-outside-table": lambda: (_table(5, 3, torch.float32), torch.tensor([4, 4, 0]), 99, False),
+    "one-column": lambda: (_table(5, 1, torch.bfloat16), torch.tensor([4, 1, 0, 4]), -1, False),
+    "threads-split-fp32": lambda: (_table(700, 96, torch.float32), torch.randint(0, 700, (1500,)), -1, False),
+    "threads-split-bf16": lambda: (_table(700, 96, torch.bfloat16), torch.randint(0, 700, (30, 50)), -1, False),
+    # no program: the Python path (its conversion of other index dtypes, empty tensors, float64)
+    "int16-indices": lambda: (_table(5, 3, torch.float32), torch.tensor([4, 0], dtype=torch.int16), -1, False),
+    "float-indices": lambda: (_table(5, 3, torch.float32), torch.tensor([4.7, 0.2]), -1, False),
+    "no-indices": lambda: (_table(5, 3, torch.float32), torch.zeros(0, dtype=torch.int64), -1, False),
+    "no-columns": lambda: (_table(5, 0, torch.float32), torch.tensor([1, 2]), -1, False),
+    "float64": lambda: (_table(5, 3, torch.float64), torch.tensor([1, 2]), -1, False),
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.numel() else t
+
+
+@pytest.mark.parametrize("case", sorted(_LOOKUPS))
+def test_the_lookup_copies_the_python_paths_bits(case):
+    """gradops.embedding that nothing records: the direct program (range test, then the rows, split over torch's
+    threads above PARALLEL_MIN items) gives the Python path's bits (ATen's index_select) on 1 and 2 threads."""
+    args = _LOOKUPS[case]()
+    expected = _python_path("embedding", args, {})[0]
+    if not args[1].is_floating_point():  # the Python path itself: the plain gather of the table's bits
+        same((_bits(expected),), (_bits(args[0][args[1].long()]),))
+    one, two = on_threads([1, 2], lambda: gradops.embedding(*args))
+    for got in (one, two):
+        same((_bits(got),), (_bits(expected),))
+    ext = native.module()
+    replay = ext.direct(ext.direct_op(_op("embedding").name), *args)
+    if _expects_program("embedding_dense_backward", (args[0], args[1])):
+        assert replay is not None and replay is not ext.MISS
+        same((_bits(replay),), (_bits(expected),))
+    else:
+        assert replay is None
+
+
+def test_the_lookup_takes_the_direct_path_unless_autograd_records_it():
+    """Under no_grad, or with a weight that does not require grad, the lookup is the direct call; a recorded one
+    keeps the native node (the direct path never records)."""
+    ext = native.module()
+    op = ext.direct_op(_op("embedding").name)
+    weight, idx = torch.randn(6, 4, requires_grad=True), torch.tensor([1, 5, 0])
+    with torch.no_grad():
+        gradops.embedding(weight, idx)  # remembered
+        assert ext.direct(op, weight, idx, -1, False) is not None
+    assert ext.direct(op, weight, idx, -1, False) is None
+    y = gradops.embedding(weight, idx)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert weight.grad[[1, 5, 0]].eq(1).all() and weight.grad[[2, 3, 4]].eq(0).all()
+
+
 # Shapes whose kernels split over threads (items >= PARALLEL_MIN), one per op family.
 _LARGE = {
     "rms_norm_grad": lambda: (torch.randn(300, 257), torch.randn(300, 257), torch.rand(300) + 0.5, torch.randn(257)),
@@ -126,6 +193,10 @@ def _i32(*values: int) -> torch.Tensor:
 
 # (op, a call of some metadata, a call of the same metadata holding a value the op refuses)
 _REFUSALS = [
+    ("embedding", (torch.randn(5, 4), torch.tensor([0, 1, 4]), -1, False),
+     (torch.randn(5, 4), torch.tensor([0, 5, 4]), -1, False)),
+    ("embedding", (torch.randn(5, 4), _i32(3, 1, 2, 0).view(2, 2), 1, True),
+     (torch.randn(5, 4), _i32(3, -1, 2, 0).view(2, 2), 1, True)),
     ("embedding_dense_backward", (torch.randn(6, 4), torch.tensor([0, 1, 4, 2, 1, 0]), 5),  # the sorting path
      (torch.randn(6, 4), torch.tensor([0, 1, 7, 2, 1, 0]), 5)),
     ("embedding_dense_backward", (torch.randn(3, 4), torch.tensor([0, 9, 2]), 50),  # few indices, large table

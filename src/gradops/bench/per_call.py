@@ -80,6 +80,8 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
                                "op": lambda: ops.hardswish_backward(dy, x),
                                "aten": lambda: aten.hardswish_backward(dy, x),
                                "out": into(gradops.hardswish_backward, dy, x)},
+        "embedding": {"gradops": lambda: gradops.embedding(x, idx), "op": lambda: ops.embedding(x, idx, -1, False),
+                      "aten": lambda: aten.embedding(x, idx)},
         "embedding_dense_backward": {
             "gradops": lambda: gradops.embedding_dense_backward(dy, idx, 8),
             "op": lambda: ops.embedding_dense_backward(dy, idx, 8, -1, False),

@@ -126,6 +126,17 @@ def _first_outside(idx, num_weights):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _lookup_rows(weight, idx, out, lo, hi):  # pragma: no cover - compiled
+    """The lookup ``out[i] = weight[idx[i]]`` for positions ``[lo, hi)``: a copy of storage items (16-bit floats
+    as their bits), so the bits of ATen's ``index_select``. The indices passed :func:`_first_outside` first."""
+    e = out.shape[1]
+    for i in range(lo, hi):
+        k = idx[i]
+        for j in range(e):
+            out[i, j] = weight[k, j]
+
+
+@njit(cache=True)
 def _sparse(grad, idx, num_weights, padding_idx, scale, out):  # pragma: no cover - compiled
     """The backward for few indices in a large table (T < V): the T positions sorted by index (a stable sort, so
     each row's gradient rows stay in increasing i: the counting sort's order, the same bits), the table zeroed,

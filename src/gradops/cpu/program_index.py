@@ -1,5 +1,5 @@
-"""The programs of the indexed ops, embedding_dense_backward and the MoE token permute family, for the extension's
-direct calls (see :mod:`gradops.cpu.programs`)."""
+"""The programs of the indexed ops, the embedding lookup, embedding_dense_backward and the MoE token permute family,
+for the extension's direct calls (see :mod:`gradops.cpu.programs`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from ._host import PARALLEL_MIN
 from ._views import view1, view2
-from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _sparse_segments
+from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _lookup_rows, _sparse_segments
 from .moe_permute import (
     _COPIES,
     _LANES,
@@ -22,10 +22,10 @@ from .moe_permute import (
 )
 from .moe_permute import _first_outside as _first_outside_total
 from .programs import I64 as _I64
-from .programs import Program, arg, blocks_grain, chunks, piece
+from .programs import Program, arg, blocks_grain, chunks, piece, rows_grain
 
 
-# ---------------------------------------------------------------- embedding_dense_backward
+# ---------------------------------------------------------------- embedding (the lookup) and its backward
 @piece
 def _embedding_check(i_s):
     def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, n, v
@@ -78,6 +78,30 @@ def _embedding_rows(s, i_s):
                          view2(a[3], s, v, e), lo, hi, np.empty(e, dtype=np.float32))
         return -1
     return body
+
+
+@piece
+def _embedding_lookup(s, i_s):
+    def body(at, lo, hi):  # pragma: no cover - compiled; args: weight, idx, out, n, e, v
+        a = view1(at, _I64, 6)
+        n, e, v = a[3], a[4], a[5]
+        _lookup_rows(view2(a[0], s, v, e), view1(a[1], i_s, n), view2(a[2], s, n, e), lo, hi)
+        return -1
+    return body
+
+
+def _embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
+    """The lookup that nothing records (the Python path: the range test, then ATen's index_select; padding and
+    scaling only shape the backward)."""
+    n = indices.numel()
+    v, e = weight.shape
+    if not n or not e or indices.dtype not in (torch.int32, torch.int64):
+        return None
+    p = Program()
+    out = p.output((*indices.shape, e), weight.dtype)
+    p.step(_embedding_check(indices.dtype), [arg(1), n, v])
+    p.step(_embedding_lookup(weight.dtype, indices.dtype), [arg(0), arg(1), out, n, e, v], n, rows_grain(n, e))
+    return p.returns(out)
 
 
 def _embedding_dense_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -271,7 +295,7 @@ def embedding_node_pieces(dtype: torch.dtype, index_dtype: torch.dtype) -> list[
 
 
 BUILDERS = {
-    "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
-    "moe_token_permute_grad": _moe_token_permute_grad, "moe_token_unpermute": _moe_token_unpermute,
-    "moe_token_unpermute_grad": _moe_token_unpermute_grad,
+    "embedding": _embedding, "embedding_dense_backward": _embedding_dense_backward,
+    "moe_token_permute": _moe_token_permute, "moe_token_permute_grad": _moe_token_permute_grad,
+    "moe_token_unpermute": _moe_token_unpermute, "moe_token_unpermute_grad": _moe_token_unpermute_grad,
 }

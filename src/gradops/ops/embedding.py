@@ -11,7 +11,7 @@ from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
-from ._direct import BODY, DirectOp, eager_path, fit, native_call, own
+from ._direct import BODY, DirectOp, _records, eager_path, fit, native_call, own
 from ._out import check_out, run_into
 from ._plan import Planner
 
@@ -219,8 +219,11 @@ def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: i
     return node, program_index.embedding_node_pieces(weight.dtype, indices.dtype)
 
 
-# The lookup's plan for the node: its check, and the backend of the backward the node runs (float64 weight: none).
-plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry)
+# The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
+# that nothing records the direct program "embedding" (the range test, then the rows: gradops.cpu.program_index).
+plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry,
+                         program="embedding")
+_embedding.planner = plan_embedding
 
 
 def _differentiable_backward(inputs: list[Tensor], extra: tuple[int, int, bool]) -> tuple[Tensor]:
@@ -257,5 +260,9 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     Returns:
         ``indices.shape + (E,)`` in weight's dtype (a new tensor).
     """
+    if not (torch.is_grad_enabled() and _records((weight,))):  # nothing records it: DirectOp.direct, one C++ call
+        rows = _embedding.direct(weight, indices, padding_idx, scale_grad_by_freq)
+        if rows is not None:
+            return rows
     check_embedding(weight, indices, padding_idx, scale_grad_by_freq)  # before the table size is read
     return _embedding(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)
