@@ -443,3 +443,26 @@ def test_out_checks_in_cpp_refuse_what_check_out_refuses(op):
         listed = list(_out_like(expected))
         assert _op(op).direct_into(listed, *args) is True
         same(tuple(listed), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_that_nothing_records_match_the_python_path(dtype):
+    """gradops.nn modules in eval under no_grad (and on inputs that need no grad) call the direct path straight from
+    their forwards (nn.LayerNorm / Hardswish / Embedding): the Python path's bits, no autograd node."""
+    from gradops import nn as gnn
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16).to(dtype)
+    cases = [(gnn.LayerNorm(16).to(dtype), x), (gnn.Hardswish(), x * 4),
+             (gnn.Embedding(16, 5, padding_idx=3).to(dtype), torch.randint(0, 16, (2, 7)))]
+    for module, inp in cases:
+        with torch.no_grad():
+            native.set_enabled(False)
+            try:
+                expected = module(inp)
+            finally:
+                native.set_enabled(True)
+            got = [module(inp) for _ in range(2)]  # the second call replays the remembered program
+        for y in got:
+            assert y.grad_fn is None
+            same((_bits(y),), (_bits(expected),))

@@ -145,9 +145,9 @@ def hardswish_output(x: Tensor) -> Tensor:
     3.9 µs that way against torch.nn.Hardswish's 3.3, CI VM 2026-11-24); every other call is :func:`hardswish`."""
     if isinstance(x, Tensor) and x.requires_grad:  # anything else is hardswish's to refuse, with its OpError
         y = native_call("hardswish", plan_hardswish, (x,))
-        if y is not None:
-            return y
-    return hardswish(x)
+    else:  # nothing records it (eval, no_grad): the direct call, without hardswish()'s and DirectOp's layers
+        y = _hardswish.direct(x)
+    return hardswish(x) if y is None else y
 
 
 def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None = None) -> Tensor:
