@@ -288,10 +288,11 @@ def _moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, sorted_ind
 
 
 def embedding_node_pieces(dtype: torch.dtype, index_dtype: torch.dtype) -> list[int]:
-    """The native Embedding node's pieces (autograd.cpp): the range test ``(idx, n, v)`` of its forward, and the
-    backward's counting sort, table blocks, sorted order and sorted runs - the direct calls' own."""
+    """The native Embedding node's pieces (autograd.cpp): the range test ``(idx, n, v)`` of its forward, the
+    backward's counting sort, table blocks, sorted order and sorted runs, and the forward's rows - the direct calls'
+    own."""
     return [_embedding_check(index_dtype), _embedding_sort(index_dtype), _embedding_table(dtype),
-            _embedding_order(index_dtype), _embedding_rows(dtype, index_dtype)]
+            _embedding_order(index_dtype), _embedding_rows(dtype, index_dtype), _embedding_lookup(dtype, index_dtype)]
 
 
 BUILDERS = {

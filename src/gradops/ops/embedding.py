@@ -11,7 +11,7 @@ from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
-from ._direct import BODY, DirectOp, _records, eager_path, fit, native_call, own
+from ._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, native_call, own
 from ._out import check_out, run_into
 from ._plan import Planner
 
@@ -262,6 +262,12 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     """
     if not (torch.is_grad_enabled() and _records((weight,))):  # nothing records it: DirectOp.direct, one C++ call
         rows = _embedding.direct(weight, indices, padding_idx, scale_grad_by_freq)
+        if rows is not None:
+            return rows
+    elif type(indices) in _PLAIN and weight.dim() == 2 and type(padding_idx) is int:  # else the check refuses it
+        # Recorded: the native node straight away. Its plan validated these metadata when it was remembered (the
+        # same check, below for a new one), so the Python check would only repeat it: 1.3 µs of a 7.3 µs lookup.
+        rows = _native(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)
         if rows is not None:
             return rows
     check_embedding(weight, indices, padding_idx, scale_grad_by_freq)  # before the table size is read
