@@ -54,3 +54,8 @@ def test_fullgraph_forward_backward_matches_eager():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, eager[name], msg=lambda m, n=name: f"grad of {n}: {m}")
     assert torch.all(model.emb.weight.grad[19] == 0)
+
+    # A second step with the same shapes reuses the compiled graph: nothing dynamo traced reads gradops state
+    # that the first step changed (a remembered-check table did, and recompiled the model on its second step).
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(indices).backward()

@@ -52,6 +52,9 @@ def remembered(check: Callable[..., T]) -> Callable[..., T]:
 
     @wraps(check)
     def call(*args: object) -> T:
+        if torch.compiler.is_compiling():
+            # Traced by dynamo: the table is mutable state, and a guard on it recompiles the model once it grows.
+            return check(*args)
         key = key_of(args)
         if key is None:
             return check(*args)
