@@ -1,7 +1,7 @@
-"""The documents say what the code does: the README runs as written, and the sources cite only documents that
-ship with the repository (issue 12.6).
+"""The documents say what the code does: README.md and docs/*.md run as written, their links resolve, they name
+every package, and the sources cite only documents that ship with the repository (issues 12.6, 40).
 
-README.md, so that it cannot drift from the code again:
+README.md and every page of docs/, so that they cannot drift from the code again:
 
 - every ```python block runs, each on its own in a fresh namespace (a user copies one block, not the page; the
   README says so above its API block), from a scratch working directory. A block that opens with ``>>>`` is an
@@ -15,8 +15,11 @@ README.md, so that it cannot drift from the code again:
   ``python ...``, ``bash ...`` and ``pip install ...`` in inline code names a file that exists, a subcommand and
   flags its argparse parser accepts (block commands are parsed in full, nothing runs), or an install source that
   exists (a path or a git URL, never the package index gradops is not on, with extras of pyproject.toml);
-- the golden / verify block runs as written in a scratch directory, writing the files its comments list;
-- every repository path in inline code exists.
+- every bash block of ``gradops golden`` / ``gradops verify`` lines runs as written in a scratch directory (the
+  files a ``verify`` line judges that the block leaves to "your kernel" are the case's goldens), writing the files
+  its comments list;
+- every repository path in inline code exists, every relative link resolves (to a file, and to a heading of it
+  where the link names one), and every package under src/gradops is named (``gradops.X`` or ``gradops/X``).
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ from gradops import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The documents: the README, then the pages of docs/.
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
-#: Python blocks that do not run everywhere, by the heading they sit under: what their ``# needs:`` line names.
-MARKED = {"Hugging Face transformers": "transformers"}
+#: Python blocks that do not run everywhere, by (document, the heading they sit under): what their ``# needs:`` line
+#: names.
+MARKED = {("README.md", "Snippets"): "transformers",
+          ("docs/huggingface.md", "Hugging Face transformers"): "transformers"}
 
 
 def test_every_cited_markdown_file_is_in_the_repository():
@@ -59,12 +66,13 @@ def test_every_cited_markdown_file_is_in_the_repository():
     assert not missing, f"cited but not in the repository: {missing}"
 
 
-# ---------------------------------------------------------------- reading the README
+# ---------------------------------------------------------------- reading the documents
 @dataclass(frozen=True)
 class Block:
-    """A fenced code block of README.md: its language tag, the line of its opening fence, the heading it sits
-    under and its text."""
+    """A fenced code block of a document: the document (relative to the repository), its language tag, the line of
+    its opening fence, the heading it sits under and its text."""
 
+    doc: str
     lang: str
     line: int
     heading: str
@@ -72,7 +80,7 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-" + re.sub(r"\W+", "-", self.heading).strip("-")
+        return f"{self.doc}:L{self.line}-" + re.sub(r"\W+", "-", self.heading).strip("-")
 
     @property
     def needs(self) -> str | None:
@@ -80,13 +88,19 @@ class Block:
         return found.group(1) if found else None
 
 
-def _read() -> tuple[list[Block], list[str]]:
-    """The README's fenced blocks, and its inline code spans outside them."""
-    blocks, spans, heading, lang, start, body = [], [], "", None, 0, []
-    for n, line in enumerate(README.read_text().splitlines(), 1):
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _read(path: Path) -> tuple[list[Block], list[tuple[str, str]], list[tuple[str, str]]]:
+    """A document's fenced blocks, its inline code spans outside them and its links ``[text](target)``, each span
+    and link with the document's name."""
+    blocks, spans, links, heading, lang, start, body = [], [], [], "", None, 0, []
+    doc = _name(path)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         if lang is not None:
             if line.startswith("```"):
-                blocks.append(Block(lang, start, heading, "\n".join(body) + "\n"))
+                blocks.append(Block(doc, lang, start, heading, "\n".join(body) + "\n"))
                 lang = None
             else:
                 body.append(line)
@@ -95,25 +109,31 @@ def _read() -> tuple[list[Block], list[str]]:
         else:
             if line.startswith("#"):
                 heading = line.lstrip("#").strip()
-            spans += re.findall(r"`([^`\n]+)`", line)
-    assert lang is None, f"README.md: the block opened at line {start} is never closed"
-    return blocks, spans
+            spans += [(doc, s) for s in re.findall(r"`([^`\n]+)`", line)]
+            links += [(doc, t) for t in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`\n]+`", "", line))]
+    assert lang is None, f"{doc}: the block opened at line {start} is never closed"
+    return blocks, spans, links
 
 
-BLOCKS, SPANS = _read()
+BLOCKS, SPANS, LINKS = [], [], []
+for _document in DOCUMENTS:
+    _found = _read(_document)
+    BLOCKS += _found[0]
+    SPANS += _found[1]
+    LINKS += _found[2]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
-def _block(heading: str, lang: str) -> Block:
-    found = [b for b in BLOCKS if b.heading == heading and b.lang == lang]
-    assert len(found) == 1, f"README.md: expected one {lang} block under {heading!r}, found {len(found)}"
+def _block(doc: str, heading: str, lang: str) -> Block:
+    found = [b for b in BLOCKS if b.doc == doc and b.heading == heading and b.lang == lang]
+    assert len(found) == 1, f"{doc}: expected one {lang} block under {heading!r}, found {len(found)}"
     return found[0]
 
 
 def _run(block: Block) -> dict:
-    """Execute a block in a fresh namespace; tracebacks name README.md and its line numbers."""
+    """Execute a block in a fresh namespace; tracebacks name the document and its line numbers."""
     namespace = {"__name__": "__readme__"}
-    exec(compile("\n" * block.line + block.text, str(README), "exec"), namespace)
+    exec(compile("\n" * block.line + block.text, str(ROOT / block.doc), "exec"), namespace)
     return namespace
 
 
@@ -136,19 +156,19 @@ def _transformers_patches_restored():
 def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
     need = block.needs
     if need == "launcher":
-        pytest.skip(f"README.md {block.id} needs a multi-process launcher")
+        pytest.skip(f"{block.id} needs a multi-process launcher")
     if need == "cuda" and not torch.cuda.is_available():
-        pytest.skip(f"README.md {block.id} needs a CUDA device")
+        pytest.skip(f"{block.id} needs a CUDA device")
     if need not in (None, "cuda", "launcher") and importlib.util.find_spec(need) is None:
-        pytest.skip(f"README.md {block.id} needs {need}, which is not installed")
+        pytest.skip(f"{block.id} needs {need}, which is not installed")
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a scratch directory
     if not block.text.startswith(">>>"):
         with _transformers_patches_restored() if need == "transformers" else contextlib.nullcontext():
             namespace = _run(block)
-        if block.heading in CHECKS:
-            CHECKS[block.heading](namespace)
+        if (block.doc, block.heading) in CHECKS:
+            CHECKS[block.doc, block.heading](namespace)
         return
-    test = doctest.DocTestParser().get_doctest(block.text, {}, block.id, str(README), block.line)
+    test = doctest.DocTestParser().get_doctest(block.text, {}, block.id, str(ROOT / block.doc), block.line)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report = io.StringIO()
     result = runner.run(test, out=report.write)
@@ -156,11 +176,12 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
 
 
 def test_readme_blocks_that_may_skip_or_are_checked_are_the_ones_named_here():
-    marked = {b.heading: b.needs for b in PYTHON if b.needs}
-    assert marked == MARKED, "a README block gained or lost its '# needs:' line: name it in MARKED"
-    assert len(PYTHON) - len(marked) >= 3, "most README blocks run everywhere"
-    for heading in CHECKS:
-        _block(heading, "python")
+    marked = {(b.doc, b.heading): b.needs for b in PYTHON if b.needs}
+    assert marked == MARKED, "a block gained or lost its '# needs:' line: name it in MARKED"
+    assert len(PYTHON) - len(marked) >= 3, "most blocks run everywhere"
+    assert sum(b.doc == "README.md" for b in PYTHON) >= 3, "the README shows its snippets"
+    for doc, heading in CHECKS:
+        _block(doc, heading, "python")
 
 
 def _api_gradients_are_pytorchs(ns: dict) -> None:
@@ -205,8 +226,8 @@ def _api_gradients_are_pytorchs(ns: dict) -> None:
     close(ns["grad_tokens"], ns["grad_permuted"][rows].view(-1, k, n).sum(1), "moe_token_permute_grad")
 
 
-#: What a block computes, checked after it ran (by heading): running is not enough.
-CHECKS = {"API": _api_gradients_are_pytorchs}
+#: What a block computes, checked after it ran (by document and heading): running is not enough.
+CHECKS = {("docs/api.md", "API"): _api_gradients_are_pytorchs}
 
 
 # ---------------------------------------------------------------- commands
@@ -271,11 +292,11 @@ def _commands() -> list[tuple[str, list[str], bool]]:
             if block.lang == "bash" or line.startswith("$ "):
                 argv = shlex.split(line.removeprefix("$ "), comments=True)
                 if argv:
-                    found.append((f"README.md {block.id}: {line.strip()}", argv, True))
-    for span in SPANS:
+                    found.append((f"{block.id}: {line.strip()}", argv, True))
+    for doc, span in SPANS:
         if re.match(r"(gradops|python|bash|pip install) ", span):
             unbracketed = re.sub(r"\[(--[^\]]*)\]", r"\1", span)  # "[--way register]": an optional flag
-            found.append((f"README.md `{span}`", shlex.split(unbracketed), False))
+            found.append((f"{doc} `{span}`", shlex.split(unbracketed), False))
     return found
 
 
@@ -384,46 +405,125 @@ def test_readme_command_check_catches_what_drifted():
     assert "no file" in _check("t", ["python", "examples/nowhere.py"], False, extras)
 
 
-def test_readme_golden_loop_runs_as_written(tmp_path, monkeypatch, capsys):
-    block = _block("Golden data and CANN's precision verdict: `gradops golden` / `gradops verify`", "bash")
-    commands = [shlex.split(line, comments=True) for line in block.text.splitlines()]
-    golden, verify = [c for c in commands if c[:1] == ["gradops"]]
-    assert golden[1] == "golden" and verify[1] == "verify"
+#: The bash blocks that run ``gradops golden`` and ``gradops verify``: they run here, in a scratch directory.
+GOLDEN = [b for b in BLOCKS if b.lang == "bash" and re.search(r"^gradops golden ", b.text, re.M)]
+
+
+@pytest.mark.parametrize("block", GOLDEN, ids=[b.id for b in GOLDEN])
+def test_golden_loops_run_as_written(block, tmp_path, monkeypatch, capsys):
+    commands = [c for line in block.text.splitlines() if (c := shlex.split(line, comments=True))]
+    assert all(c[:1] == ["gradops"] and c[1] in ("golden", "verify") for c in commands), commands
+    assert [c[1] for c in commands].count("verify") >= 1
     monkeypatch.chdir(tmp_path)
-    assert cli.main(golden[1:]) == 0, capsys.readouterr().out
+    for command in commands:
+        if command[1] == "verify":
+            # the files "your kernel" writes (my_dx.bin): here a kernel that returns the goldens
+            case = Path(command[2])
+            for actual in (a for a in command[3:] if not a.startswith("-")):
+                if not Path(actual).exists():
+                    Path(actual).write_bytes((case / actual.replace("my_", "golden_", 1)).read_bytes())
+        assert cli.main(command[1:]) == 0, f"{block.id}: {shlex.join(command)}\n{capsys.readouterr()}"
     # "#    case/in_dy.bin in_x.bin ...     inputs, ...": the files the comments promise
     listed = [(m.group(1), m.group(2).split()) for line in block.text.splitlines()
               if (m := re.match(r"#\s+(\w+/)(\S+(?: \S+)*?)\s{2,}", line))]
-    assert len(listed) >= 4, listed
     missing = [folder + name for folder, names in listed for name in names if not (tmp_path / folder / name).is_file()]
-    assert not missing, f"the README lists files gradops golden did not write: {missing}"
-    # step 2 is the user's kernel: here one that returns the goldens (my_dx.bin <- case/golden_dx.bin)
-    case = Path(verify[2])
-    for actual in verify[3:]:
-        Path(actual).write_bytes((case / actual.replace("my_", "golden_", 1)).read_bytes())
-    assert cli.main(verify[1:]) == 0, capsys.readouterr().out
+    assert not missing, f"{block.id} lists files gradops golden did not write: {missing}"
+
+
+def test_the_readme_runs_the_golden_loop_and_lists_its_files():
+    readme = [b for b in GOLDEN if b.doc == "README.md"]
+    assert len(readme) == 1, "the README shows one golden / verify loop"
+    assert len(re.findall(r"^#\s+\w+/\S+", readme[0].text, re.M)) >= 4, "its comments list the case's files"
+
+
+def test_golden_options_per_op_are_the_ones_gradops_golden_reads():
+    """docs/cann.md's table of each op's ``gradops golden`` options is gradops.golden.cases.OPTIONS, and
+    ``gradops golden --help`` lists every option (it lists them all, not an op's: the page says so)."""
+    from gradops.golden.cases import OPTIONS
+
+    text = (ROOT / "docs" / "cann.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]*) \|$", text, re.M))
+    stated = {op: tuple(re.findall(r"`--([\w-]+)`", rows[op])) for op in rows if op in OPTIONS}
+    expected = {op: tuple(o.replace("_", "-") for o in opts) for op, opts in OPTIONS.items()}
+    assert stated == expected, "docs/cann.md's golden options table differs from gradops.golden.cases.OPTIONS"
+    shown = _help(cli.main, ["golden"])
+    missing = sorted({o for opts in expected.values() for o in opts if f"--{o}" not in shown})
+    assert not missing, f"gradops golden --help does not list {missing}"
+    assert "lists every option of every op" in " ".join(text.split())
 
 
 def test_readme_paths_exist():
-    """Inline code that names a repository path (``examples/...``, ``gradops/ops/_sharding.py`` under src/)."""
+    """Inline code that names a repository path (``examples/...``, ``gradops/ops/_sharding.py`` under src/), a
+    pattern (``benchmarks/results/*.jsonl``) matching at least one file."""
     tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    paths = [s for s in SPANS if "/" in s and " " not in s and s.split("/")[0] in tops | {"gradops"}]
+    # semantics.md and performance.md cite files of other repositories by their own paths (tests/st/..., src/...)
+    paths = [(doc, s) for doc, s in SPANS if doc not in UPSTREAM_CITING
+             and "/" in s and " " not in s and "<" not in s and s.split("/")[0] in tops | {"gradops"}]
     assert len(paths) >= 5, paths
-    missing = [p for p in paths if not (ROOT / p).exists() and not (ROOT / "src" / p).exists()]
-    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+    def exists(path: str) -> bool:
+        return any(any(base.glob(path)) if "*" in path else (base / path).exists() for base in (ROOT, ROOT / "src"))
+
+    missing = [f"{doc}: {p}" for doc, p in paths if not exists(p)]
+    assert not missing, f"the documents name paths that do not exist: {missing}"
+
+
+#: Pages whose inline paths name files of the upstream repositories they cite, not of this one.
+UPSTREAM_CITING = {"docs/semantics.md", "docs/performance.md"}
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation but ``-`` and ``_`` dropped, spaces
+    as ``-``."""
+    found = set()
+    for line in path.read_text().splitlines():
+        if heading := re.match(r"#+ (.*)", line):
+            found.add(re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_relative_links_resolve():
+    checked, broken = 0, []
+    for doc, target in LINKS:
+        if re.match(r"[a-z]+:", target):  # https:, mailto:: not the repository's to check
+            continue
+        file, _, anchor = target.partition("#")
+        path = (ROOT / doc).parent / file if file else ROOT / doc
+        checked += 1
+        if not path.exists():
+            broken.append(f"{doc}: {target} (no file)")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{doc}: {target} (no heading)")
+    assert checked >= 20, checked
+    assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def test_the_link_check_catches_what_breaks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# The native extension (`gradops.native`)\n## CANN vs PyTorch\n")
+    assert _anchors(page) == {"the-native-extension-gradopsnative", "cann-vs-pytorch"}
+
+
+def test_every_package_is_named_in_the_documents():
+    text = "\n".join(p.read_text() for p in DOCUMENTS)
+    packages = sorted(".".join(p.parent.relative_to(ROOT / "src").parts)
+                      for p in (ROOT / "src" / "gradops").rglob("__init__.py"))
+    assert "gradops.native" in packages and len(packages) >= 10, packages
+    unnamed = [p for p in packages if p != "gradops" and p not in text and p.replace(".", "/") not in text]
+    assert not unnamed, f"packages that neither the README nor a page of docs/ names: {unnamed}"
 
 
 def test_readme_hardswish_rates_at_three():
-    """The README's share of N(0, 2²) activations that are exactly ±3 in bfloat16 / float16 (where CANN's hardswish
+    """docs/cann.md's share of N(0, 2²) activations that are exactly ±3 in bfloat16 / float16 (where CANN's hardswish
     gradient differs from PyTorch's): the Gaussian mass within half an ulp of 3, which is each dtype's eps, and a
-    sample; and the gradient there is the one the README states."""
+    sample; and the gradient there is the one the page states."""
     import math
 
     import gradops
 
-    text = " ".join(README.read_text().split())
+    text = " ".join((ROOT / "docs" / "cann.md").read_text().split())
     found = re.search(r"(\d+\.\d+)% are exactly ±3 once rounded to bfloat16 and (\d+\.\d+)% in float16", text)
-    assert found, "README.md: the hardswish rates at ±3 moved; update this test"
+    assert found, "docs/cann.md: the hardswish rates at ±3 moved; update this test"
     stated = {torch.bfloat16: float(found.group(1)) / 100, torch.float16: float(found.group(2)) / 100}
 
     def phi(z: float) -> float:  # the standard normal CDF
@@ -439,3 +539,17 @@ def test_readme_hardswish_rates_at_three():
         assert abs(sampled - predicted) <= 0.25 * predicted, (dtype, sampled, predicted)
     at = torch.tensor([-3.0, 3.0], dtype=torch.bfloat16)
     assert gradops.hardswish_backward(torch.ones_like(at), at).tolist() == [-0.5, 1.5]
+
+
+def test_gradops_env_names_every_native_node_and_the_direct_calls(capsys):
+    """`gradops env` says what the native extension provides, from the extension's own list: autograd nodes for
+    every op that has one (it once named LayerNorm and Hardswish only, after Embedding gained its node), and the
+    direct calls of the public functions."""
+    from gradops import native
+
+    assert cli.main(["env"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("native extension"))
+    nodes = sorted(native._OPS)
+    assert "embedding" in nodes, nodes
+    assert all(op in line for op in nodes), line
+    assert "direct calls" in line, line

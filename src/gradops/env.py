@@ -43,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}  threads={torch.get_num_threads()}")
     from . import native
 
-    print(f"native autograd nodes (gradops.nn LayerNorm, Hardswish on CPU): {native.status()}")
+    # What the extension provides, from its own list of nodes (docs/backends.md describes both parts).
+    nodes = ", ".join(sorted(native._OPS))
+    print(f"native extension (CPU; autograd nodes: {nodes}; direct calls of the public functions): "
+          f"{native.status()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         print(f"\n{device} ({name})")
