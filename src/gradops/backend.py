@@ -253,7 +253,7 @@ def select(op: str, device: torch.device) -> tuple[str, Callable]:
 _chosen: dict[tuple, tuple[Choice, str, ModuleType | None]] = {}
 
 # The two variables are read on every call. ``os.environ.get`` encodes the key, looks it up and decodes the value
-# (~1 µs each on the CI VM); CPython's ``os.environ`` keeps that raw mapping in ``_data``, which the memo key can
+# (~1 µs each on 2 cores); CPython's ``os.environ`` keeps that raw mapping in ``_data``, which the memo key can
 # use as it is (0.06 µs). Anything that changes os.environ changes _data; elsewhere the public path is used.
 _raw = getattr(os.environ, "_data", None)
 if isinstance(_raw, dict) and hasattr(os.environ, "encodekey"):

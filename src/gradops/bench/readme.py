@@ -122,7 +122,7 @@ def _runs_list(used: Iterable[dict], results: Path, *extra: str) -> str:
     for r in sorted(_newest(used, lambda r: (r["_file"], r["date"])).values(), key=lambda r: (r["date"], r["_file"])):
         how = f"; {r['processes']} processes, {r['estimator']}" if r.get("estimator") else ""
         how += f"; malloc: {r['malloc']}" if r.get("malloc") else ""
-        lines.append(f"- commit {commit(r, results)}: `{r['_file']}`, {r['date'][:16].replace('T', ' ')} UTC, "
+        lines.append(f"- commit {commit(r, results)}: `{r['_file']}`, {r['date'][:16]}Z, "
                      f"{machine(r)}, {versions(r, *extra)}{how}")
     return "\n".join(lines)
 

@@ -62,7 +62,7 @@ def steady_malloc() -> str:
 
     With glibc's defaults, freeing a tensor can trim the heap's top (or unmap a chunk above the dynamic mmap
     threshold), and the next step's allocation of the same size takes its page faults again. Whether a step pays
-    that depends on what ran before it in the process, not on the op: on the CI VM (2026-11-24) torch.nn.LayerNorm
+    that depends on what ran before it in the process, not on the op: on 2 cores torch.nn.LayerNorm
     at 512 x 256 fp32 settled at 0 or at 54-62 faults per step (0.16 or 0.28 ms) from one process to the next,
     and gradops' module swung the same way (its 512 KiB outputs come from malloc too). A trim threshold of 1 GiB and
     a fixed mmap threshold of 32 MiB (the largest glibc takes) keep every freed block below 32 MiB mapped, as
@@ -158,7 +158,7 @@ def _rounds(cases: dict[str, Callable[[], None]], budget_s: float, sync: Callabl
 def _paired(ours: list[float], theirs: list[float]) -> float:
     """Median over rounds of ours / theirs in the same round: a slow stretch of a shared VM that lands on one
     round moves both sides of that round's ratio, where the ratio of each side's own best round compares
-    different moments (on the CI VM, 2026-11-24: Hardswish 4096 x 1024 fp32 1.17 by best rounds, 1.04 paired)."""
+    different moments (on 2 cores: Hardswish 4096 x 1024 fp32 1.17 by best rounds, 1.04 paired)."""
     return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
@@ -260,12 +260,12 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
 
     Every case is timed in ``processes`` fresh worker processes, one after another, and reported by the median
     of their paired ratios (with the lowest and highest). Why not all cases in one process, as before: what ran
-    earlier in a process moved both sides' times by 10-50% and the ratio by up to 0.12 (four fp32 sweeps on the CI
-    VM, 2026-11-24, with and without ``gradops.empty_cache()`` before each case: LayerNorm 512 x 256 0.94 / 1.05,
+    earlier in a process moved both sides' times by 10-50% and the ratio by up to 0.12 (four fp32 sweeps on 2
+    cores, with and without ``gradops.empty_cache()`` before each case: LayerNorm 512 x 256 0.94 / 1.05,
     Hardswish 2048 x 512 1.06 / 0.90, repeatable per pattern), so a case's number depended on its place in the
-    list. Why several: a fresh process still lands its buffers somewhere new, and on that VM the same case's
+    list. Why several: a fresh process still lands its buffers somewhere new, and on 2 shared cores the same case's
     paired ratio differed by up to 0.2 from one process to the next (Hardswish 2048 x 512 fp32: 0.88-1.10 over
-    ten processes; the VM's own state moves within minutes too). pyperf spawns worker processes for the same
+    ten processes; a shared machine's state moves within minutes too). pyperf spawns worker processes for the same
     reason."""
     rows: list[dict] = []
     print(f"gradops bench --sweep on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "

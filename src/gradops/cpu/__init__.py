@@ -65,7 +65,7 @@ if sys.modules.get("numba") is not None:  # numba read its config already: point
     sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 # numba keeps LLVM's own vector width. Asking it for 256-bit vectors on AVX-512 CPUs (``+prefer-256-bit`` in its CPU
-# features, 2026-11-24: streaming loops over 16 MiB lost 15-20% with 512-bit loads and stores on the CI VM's Zen 4)
+# features: streaming loops over 16 MiB lost 15-20% with 512-bit loads and stores on a Zen 4)
 # made results depend on the cache: a process that compiled a kernel got other last bits than every later process
 # loading it from the disk cache (LayerNorm 512 x 256 fp32 forward and backward; set through NUMBA_CPU_FEATURES as
 # well), which tests/test_cpu_backend.py's test_cached_kernels_give_the_bits_of_fresh_ones now catches.

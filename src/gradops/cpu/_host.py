@@ -29,15 +29,15 @@ ROW_BLOCKS = 64
 
 #: Least items (rows x cols) per row block below ROW_BLOCKS blocks. Each block zeroes, accumulates and hands the
 #: fold a partial row of its own, so blocks of a few rows make the partials a large share of the work: LayerNorm
-#: 512 x 256 fp32 forward + backward against torch.nn.LayerNorm (native node, fresh processes alternating, CI VM,
-#: 2026-11-24) was 0.91-0.94x with 64 blocks of 8 rows but 1.00-1.07x in processes where both sides ran slow
+#: 512 x 256 fp32 forward + backward against torch.nn.LayerNorm (native node, fresh processes alternating, 2
+#: cores) was 0.91-0.94x with 64 blocks of 8 rows but 1.00-1.07x in processes where both sides ran slow
 #: (about one in four), where 8 blocks of 64 rows (16 Ki items each) gave 0.87-0.92x in either (32 blocks:
 #: 0.95-0.99x slow; 4 blocks: as 8). 16 Ki items is also TASK_ITEMS, the least work worth a task.
 BLOCK_ITEMS = 1 << 14
 
 
 #: Work (items of the main tensor) below which the entries run their loop serially: a parallel region costs ~1.6 µs
-#: to start on the CI VM (2026-11-23, numba 0.68 on GNU OpenMP: a one-task region 1.9 µs, the same loop serial
+#: to start on 2 cores (numba 0.68 on GNU OpenMP: a one-task region 1.9 µs, the same loop serial
 #: 0.36), which 32 Ki fp32 items (~128 KiB, ~10 µs of work) amortise. Serial and parallel loops run the same
 #: per-row / per-block function, and the choice depends on the shape only.
 PARALLEL_MIN = 1 << 15

@@ -39,7 +39,7 @@ _lock = threading.Lock()
 _free: dict[int, list[np.ndarray]] = {}
 _free_bytes = 0
 #: gradops.native's extension once loaded: its C++ pool serves :func:`empty` from then on (same rules, ~1 µs per
-#: pooled tensor where this module's numpy blocks and finalizer cost ~10 on the CI VM), and the native nodes.
+#: pooled tensor where this module's numpy blocks and finalizer cost ~10 on 2 cores), and the native nodes.
 _native = None
 
 
@@ -100,7 +100,7 @@ def free_bytes() -> int:
 
 def empty_like(t: Tensor) -> Tensor:
     """:func:`empty` of a contiguous ``t``'s shape and dtype; below :data:`MIN_BYTES` ``torch.empty_like`` (1.2 µs at
-    8 x 8 fp32 on the CI VM, where ``torch.empty(shape, dtype=...)`` parses its arguments in 2.2)."""
+    8 x 8 fp32 on 2 cores, where ``torch.empty(shape, dtype=...)`` parses its arguments in 2.2)."""
     if t.nbytes < MIN_BYTES:
         return torch.empty_like(t)
     return empty(t.shape, t.dtype)
@@ -113,7 +113,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or dtype not in _VIEW or limit_bytes() <= 0:
         # Sizes as separate ints: torch parses a tuple argument more slowly (1.3 µs against 2.1-3.5 for a 2-D
-        # shape on the CI VM).
+        # shape on 2 cores).
         return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
     if _native is not None:
         return _native.pool_empty(shape, dtype)

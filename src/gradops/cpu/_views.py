@@ -2,7 +2,7 @@
 sizes, and view the memory as an array themselves.
 
 Why: handing numba a numpy view costs ``Tensor.numpy()`` and numba's typing of the array, ~1.2 µs per tensor on
-the 2-core CI VM (2026-11-23, a 2-tensor elementwise call: 2.9 µs through numpy views, 0.6 µs by address), and a
+2 cores (a 2-tensor elementwise call: 2.9 µs through numpy views, 0.6 µs by address), and a
 backward passes five to seven tensors. An address is a Python int (``data_ptr()``, 0.14 µs), a storage dtype a
 cached ``numpy.dtype`` (typed by numba in its fast path).
 

@@ -42,13 +42,13 @@ def _hardswish_backward_chunk(g, x, out):  # pragma: no cover - compiled
     """``out = 0 if x < -3; g·(x·0.33333334 + 0.5) if -3 <= x <= 3; g otherwise`` (a NaN x passes g through),
     written as two selects between values computed unconditionally so the loop vectorizes: with the product inside
     the conditional expression (a branch per element for LLVM) numba's loop stayed scalar, 3.1-3.5 ms for 4 Mi fp32
-    elements on one thread against 1.2 ms this way (CI VM, 2026-11-24; the same bits).
+    elements on one thread against 1.2 ms this way (the same bits).
 
     In steps of two cache lines of each stream (32 fp32 items: two 512-bit vectors; 64 bf16/fp16), as ATen's
     vectorized loops go, not LLVM's own loop over the whole chunk (four vectors per stream a step, behind a runtime
-    overlap test). The elements and their bits are the same; the memory traffic's shape is not. The 2-core CI VM's
-    two threads run slower together about half the time (two threads 1.6x one thread there, 2.5x otherwise; one
-    thread alone never changes), and there, 4 Mi fp32 elements on two threads (2026-11-24, 6 processes, paired):
+    overlap test). The elements and their bits are the same; the memory traffic's shape is not. On a 2-core machine
+    two threads can run slower together about half the time (two threads 1.6x one thread there, 2.5x otherwise; one
+    thread alone never changes), and there, 4 Mi fp32 elements on two threads (6 processes, paired):
     LLVM's loop 0.88-1.37 ms, ATen's hardswish_backward 0.73-1.05, this loop 0.70-1.04 (0.94-1.01x ATen in every
     round of both states). Four vectors a step 0.76-1.09 ms, one vector a step 1.4-1.6; software prefetch 4 KiB
     ahead 0.79-1.07; non-temporal stores and 256-bit vectors gained nothing. Through gradops' call (its output pool)
@@ -72,7 +72,7 @@ def _hardswish_backward_inplace_chunk(g, x):  # pragma: no cover - compiled
     bits), for the native node's incoming gradient when nothing else holds it (native/autograd.cpp). Its own loop,
     not the chunk above with ``out=g``: LLVM's runtime test finds out and g overlapping and runs the scalar loop,
     2.7 ms for 4 Mi fp32 elements on one thread, where this one takes 1.05 against 1.75 for the chunk above into a
-    separate out (no read-for-ownership of a third stream; CI VM, 2026-11-24)."""
+    separate out (no read-for-ownership of a third stream)."""
     for i in range(x.shape[0]):
         st(g, i, _grad_value(ld(g, i), ld(x, i)))
 

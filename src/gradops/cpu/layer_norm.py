@@ -27,7 +27,7 @@ _VAR_BLOCK = 128
 def _layer_norm_row_range(x, gamma, beta, eps, y, mean, var, lo, hi):  # pragma: no cover - compiled
     """``mean = sum(x)/N``, ``var = sum((x-mean)^2)/N`` (biased, two passes), ``y = (x-mean)·rsqrt(var+eps)·gamma
     + beta`` for rows lo..hi-1. The loop over rows is here, not in the callers: the same body called once per row
-    took 57 µs at 512 x 256 fp32 on one thread, against 34 with the loop inside (CI VM, 2026-11-24) - ~45 ns a
+    took 57 µs at 512 x 256 fp32 on one thread, against 34 with the loop inside - ~45 ns a
     row, that numba's ``inline="always"`` did not win back either (45 µs)."""
     n = x.shape[1]
     for r in range(lo, hi):
@@ -37,8 +37,8 @@ def _layer_norm_row_range(x, gamma, beta, eps, y, mean, var, lo, hi):  # pragma:
         mu = t * (np.float32(1.0) / np.float32(n))
         # The variance is an output in its own right (LayerNormGrad's input), so its error must not grow with N or
         # depend on the vector width numba picks: float32 partial sums of _VAR_BLOCK squares each (a loop of fixed
-        # trip count over a zero-based slice, vectorized at full float32 width), added in float64. Measured (AVX-512
-        # CI VM, max relative error over the rows against float64, 512 x N; time of mean + variance, one thread,
+        # trip count over a zero-based slice, vectorized at full float32 width), added in float64. Measured (AVX-512,
+        # max relative error over the rows against float64, 512 x N; time of mean + variance, one thread,
         # 512 x 256): one float32 sum 1.3-2.9e-7 (2.9 at N = 520 and 1000, where the remainder loop adds the tail;
         # 2.4e-7 at 520 on AVX2), every term in float64 0.6-0.8e-7 at 19.1 µs, these blocks 0.7-1.5e-7 at 11.7 µs
         # (PyTorch's: 1.3e-7). The mean's float32 sum stays within PyTorch's error.
@@ -221,7 +221,7 @@ def _backward_rows(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover
     (``xmu = x - mean``, ``pd_xl = dy·gamma``), and ``pg[b] += dy·xmu·rstd``, ``pb[b] += dy`` in fp32.
 
     One row at a time with the row's two sums written out here: a function for the sums called per row, four rows
-    per partial update, took 62-65 µs at 512 x 256 fp32 (one thread, CI VM, 2026-11-24) against 46-47 this way,
+    per partial update, took 62-65 µs at 512 x 256 fp32 (one thread) against 46-47 this way,
     550-780 against 330-390 at 2048 x 512, and the same at 8192 x 4096 (35-36 ms). (Four rows with the sums inlined
     were 39-41 µs against 46-48 compiled alone, but 41 against 39 inside the native node's piece.)
 

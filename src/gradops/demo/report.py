@@ -20,7 +20,7 @@ def loss_tolerance(step: int) -> float:
     tens of steps in, a router logit that nearly ties flips one token's top-k expert in one run and not the
     other; from then on the two runs are two almost equal models whose losses on one batch differ by ~1e-3
     (0.1% of the loss) in either direction. The same happens between two plain-PyTorch runs whose initial
-    weights differ by one ulp. Measured at the default size over 300 steps (2026-11-23): gradops vs torch, seeds
+    weights differ by one ulp. Measured at the default size over 300 steps: gradops vs torch, seeds
     0-2, largest differences 4.0e-3 (step 179), 1.6e-3 (238), 7.6e-3 (278); torch vs 1-ulp-perturbed torch,
     seeds 0-5, 2.6e-3, 1.2e-4, 2.3e-3, 6.4e-4, 1.3e-3, 3.3e-3. The steepest of them, 7.6e-3 by step 278, is a
     slope of 2.7e-5 per step; the bound's 1e-4 per step is 3.7x that. (An earlier bound of 2e-5 per step came

@@ -2,14 +2,14 @@
 Python in the backward.
 
 A ``torch.autograd.Function`` costs a Python call per forward and per backward; around ATen's own kernels it is
-already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2-core CI VM, 2026-11-23). These nodes are C++
+already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2 cores). These nodes are C++
 autograd nodes written as torch's generated ones are, and call the same compiled CPU kernels as the Python path by
 address, split over torch's own threads, so results are the same bits; see ``autograd.cpp`` for what stays in
 Python (validation, the double backward). The same extension replays the public functions' eager calls that
 nothing records from programs remembered per argument metadata (``direct.cpp``, :mod:`gradops.cpu.programs`).
 
 The extension is built once per (source, torch, Python) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``, else
-``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on the CI VM).
+``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on 2 cores).
 It is never built implicitly: without it, or with ``GRADOPS_NATIVE=0``, every call takes the Python path (the same
 results, ~50-60 µs more per training step at small sizes). :func:`status` says which and why.
 """

@@ -1,8 +1,8 @@
 // gradops' native autograd nodes: the eager training path of gradops.nn without Python in the backward.
 //
 // Why: a torch.autograd.Function is a Python object whose backward the engine calls through Python. Around
-// ATen's own hardswish kernels such a Function costs 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2-core
-// CI VM, 2026-11-23: 106-116 µs against 78-88), so no Python autograd path can come within 1.25x of torch at
+// ATen's own hardswish kernels such a Function costs 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2
+// cores: 106-116 µs against 78-88), so no Python autograd path can come within 1.25x of torch at
 // small sizes. These nodes are C++ autograd nodes written as torch's generated ones are (see HardswishBackward for
 // why not torch::autograd::Function) whose forward and backward call gradops' compiled CPU kernels: numba cfuncs,
 // handed over as addresses (gradops.cpu.programs' pieces, the calling convention of gradops::PieceFn), each a
@@ -132,7 +132,7 @@ variable_list python_backward(Op op, const variable_list& args, const Extra& ext
 // ---- the output pool: gradops.cpu._pool's recycled blocks, kept here once the extension is loaded
 //
 // Every fresh CPU tensor of more than glibc's mmap threshold (up to 32 MiB) is a new mapping whose first write takes
-// a page fault per 4 KiB (a fresh 64 MiB embedding table: ~15 ms of faults on the CI VM, more than the backward).
+// a page fault per 4 KiB (a fresh 64 MiB embedding table: ~15 ms of faults on 2 cores, more than the backward).
 // The pool keeps the memory of outputs that died and hands it out again for the same size. In Python (numpy blocks,
 // a weakref finalizer per tensor) a pooled output costs ~10 µs; here a block is a mapping whose tensor's deleter
 // returns it to the free list: ~1 µs, and no GIL in a backward. Same rules as the Python pool: blocks of at
@@ -140,10 +140,10 @@ variable_list python_backward(Op op, const variable_list& args, const Extra& ext
 // is asked for; 0 turns the pool off), exact sizes only.
 //
 // Why not from 128 KiB, glibc's default mmap threshold, where a malloc'ed output can already be fresh pages again
-// every step (as free() trims the heap's top)? Measured on the CI VM (2026-11-24): with that floor, LayerNorm
+// every step (as free() trims the heap's top)? Measured on 2 cores: with that floor, LayerNorm
 // 512 x 256 fp32 forward + backward took no page faults where malloc had given it 0 to 72 per step; but `gradops
 // demo` (1024 x 96 activations: 384 KiB outputs) gained nothing - 1.02, 1.01, 0.96x torch against 1.00, 0.99,
-// 1.00x with the pool off in the same hour - since the rest of a model's tensors still come from malloc's heap,
+// 1.00x with the pool off, alternating - since the rest of a model's tensors still come from malloc's heap,
 // and the pool would hold more blocks for it.
 constexpr int64_t kPoolMin = 1 << 20;  // gradops.cpu._pool.MIN_BYTES
 constexpr int64_t kPage = 4096;
@@ -298,8 +298,8 @@ void record(const NodeRef& ref, const Tensor& output, const Inputs&... inputs) {
 // Nodes written like torch's generated ones (a torch::autograd::Node subclass, saved tensors as SavedVariable, the
 // history set on the output) rather than torch::autograd::Function: that one's CppNode keeps an AutogradContext
 // (saved data in a string-keyed map of IValues), per-input and per-output metadata, wraps its outputs generically
-// and builds its name by demangling the type on every backward - ~10 µs per forward + backward on the CI VM
-// (2026-11-24, Hardswish 8 x 8 fp32, `(m(x) * w).sum().backward()`: 50.5 µs against torch's 37.3 with CppNode,
+// and builds its name by demangling the type on every backward - ~10 µs per forward + backward on 2 cores
+// (Hardswish 8 x 8 fp32, `(m(x) * w).sum().backward()`: 50.5 µs against torch's 37.3 with CppNode,
 // 39.8 against 36.2 with these). Saving through SavedVariable keeps what CppNode gave: saved-tensor hooks, the
 // version check ("modified by an inplace operation"), and the error of a second backward through a freed graph.
 // Named (not anonymous) so that grad_fn.name() reads gradops_native::..., as torch's read HardswishBackward0.
@@ -308,7 +308,7 @@ namespace gradops_native {
 // Hardswish and its backward on contiguous tensors, split over torch's threads: the nodes' kernels, and the public
 // functions' (gradops.hardswish, gradops.hardswish_backward when nothing records them, so that a function between
 // ATen ops does not wake numba's second thread pool, whose spinning threads and torch's then share two cores:
-// hardswish_backward at 4096 x 1024 fp32 was 1.37x ATen's between ATen calls, CI VM 2026-11-24).
+// hardswish_backward at 4096 x 1024 fp32 was 1.37x ATen's between ATen calls on 2 cores).
 Tensor hardswish_values(const Tensor& x, PieceFn forward) {
   Tensor y = output(x.sizes(), x.options());
   const std::array<int64_t, 2> args{addr(x), addr(y)};
@@ -329,7 +329,7 @@ Tensor hardswish_grad(const Tensor& g, const Tensor& x, PieceFn backward) {
 // another) - so the write is seen by no one (the test by which torch's AccumulateGrad takes a gradient as .grad
 // without a copy, and then accumulates into it). The backward then reads two streams and writes one back where a new
 // output costs a third (its read-for-ownership) and an allocation: Hardswish 4096 x 1024 fp32, 4 Mi elements on
-// one thread, 1.05 ms against 1.75 (CI VM, 2026-11-24).
+// one thread, 1.05 ms against 1.75.
 bool owned_like(const Tensor& g, const Tensor& x) {
   return g.defined() && g.use_count() == 1 && plain(g) && !g.is_view() && g.has_storage() &&
          g.storage().use_count() == 1 && g.is_contiguous() && g.scalar_type() == x.scalar_type() &&
@@ -404,7 +404,7 @@ struct LayerNormBackward : public torch::autograd::Node {
     const int64_t m = x.numel() / n;
     // rstd as the Python path computes it, torch.rsqrt(var + eps): ATen adds the wrapped double scalar in float32
     // and takes 1 / sqrt (IEEE division and square root, vectorized or not), so this loop gives the same bits
-    // without two ATen calls (~3 µs of a small backward on the CI VM).
+    // without two ATen calls (~3 µs of a small backward on 2 cores).
     Tensor rstd = at::empty(var.sizes(), var.options());
     {
       const float e = static_cast<float>(eps_);
@@ -424,8 +424,8 @@ struct LayerNormBackward : public torch::autograd::Node {
     if (owned_like(grads[0], x)) {
       // dx over the gradient nobody else holds, as Hardswish's (the row blocks read each element of a row before
       // they write it): at 512 x 256 fp32 the row blocks took 36.4 µs against 41.7 into a new dx (one thread, one
-      // process), and forward + backward 0.93x torch against 0.94-0.95 (three alternating runs each; CI VM,
-      // 2026-11-24).
+      // process), and forward + backward 0.93x torch against 0.94-0.95 (three alternating runs each, 2
+      // cores).
       dx = std::move(grads[0]);
       const std::array<int64_t, 10> args{addr(dx), addr(x), addr(mean), addr(rstd), addr(gamma), addr(pg), addr(pb),
                                          m, n, blocks};
@@ -537,7 +537,7 @@ Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t paddi
   shape.push_back(e);
   Tensor y = output(shape, weight.options());
   // The rows: the direct lookup's piece (a copy of storage items, the bits of the Python path's index_select),
-  // split as its program splits them. ATen's index_select_out here cost ~1.5 µs of dispatch at 8 x 8 (2026-11-24).
+  // split as its program splits them. ATen's index_select_out here cost ~1.5 µs of dispatch at 8 x 8.
   const std::array<int64_t, 6> rows{addr(weight), addr(indices), addr(y), n, e, v};
   parallel(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, (kParallelMin + e - 1) / e),
            [&](int64_t lo, int64_t hi) { call(reinterpret_cast<PieceFn>(kernels[5]), rows, lo, hi); });
@@ -589,7 +589,7 @@ using gradops::plain_types;
 // gradops.ops._direct.eager_path answers FUNCTION for, less the two answers it reads in Python first
 // (torch.compiler.is_compiling, which dynamo answers while it traces, and the direct path's switch). One C++ call
 // where the Python test makes eight hook calls and four per tensor (~1.4 µs warm, ~8 µs inside a training step on
-// the CI VM, 2026-11-24). False sends the caller to the Python test, which gives the full answer.
+// 2 cores). False sends the caller to the Python test, which gives the full answer.
 template <typename Handles>
 bool recordable_handles(const Handles& args) {
   if (!at::GradMode::is_enabled() || !gradops::unwatched()) return false;
@@ -613,7 +613,7 @@ bool recordable(py::args args) { return recordable_handles(args); }
 //
 // After gradops.ops validated a call and found a native node for it (the call plan), it hands the node's kernels
 // here with the arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
-// small training step on the CI VM, 2026-11-24). The key is what the plan depends on: each tensor's dtype and
+// small training step on 2 cores). The key is what the plan depends on: each tensor's dtype and
 // sizes (all contiguous CPU tensors, checked per call), the scalar, and the two environment variables the
 // backend decision reads. gradops forgets them with its own plans (gradops.ops._plan.forget_all: a fork, the
 // native switch), and a child of fork() never uses them.
@@ -722,7 +722,7 @@ py::object embedding_planned(py::handle weight, py::handle indices, int64_t padd
 
 // The *_planned functions as CPython METH_FASTCALL functions: they run in front of every recorded module call,
 // where pybind11's dispatcher (an argument vector, a conversion flag per argument, overload resolution) cost ~0.3 µs
-// of a ~3 µs Hardswish forward at 8 x 8 (CI VM, 2026-11-24). Arguments as the Python callers pass them: tensors,
+// of a ~3 µs Hardswish forward at 8 x 8 on 2 cores. Arguments as the Python callers pass them: tensors,
 // then a Python float (layer_norm's eps) or an int and a bool (embedding's padding row and scaling).
 bool arity(const char* name, Py_ssize_t given, Py_ssize_t expected) {
   if (given == expected) return true;

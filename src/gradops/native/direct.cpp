@@ -1,7 +1,7 @@
 // gradops' direct calls: an eager call of a public function that nothing records, replayed in one C++ call.
 //
-// Why: after the call plans (gradops.ops._plan) the Python path of a call at 8 x 8 fp32 still cost 8-15 µs on the
-// 2-core CI VM (2026-11-24, layer_norm_backward 15.4: the eager-path test 2.5, the plan lookup 2.5, three pooled
+// Why: after the call plans (gradops.ops._plan) the Python path of a call at 8 x 8 fp32 still cost 8-15 µs on
+// 2 cores (layer_norm_backward 15.4: the eager-path test 2.5, the plan lookup 2.5, three pooled
 // outputs 3.8, the kernel call with its tensors by address 1.8, the layers between them the rest), against 2-11 µs
 // for ATen's own kernels. Every part of that is a function of the arguments' metadata alone, so it is decided once.
 //
@@ -240,7 +240,7 @@ bool meet(const Tensor& a, const Tensor& b) {
 // check_out, which raises the op's OpError (or torch's RuntimeError) naming the out, or copies into an out of other
 // strides. MISS as direct(). Every out check here is one check_out makes, so a call taken here is one check_out
 // accepts: this is the common out= call without the Python checks (23.5 µs of layer_norm_backward at 8 x 8 fp32
-// that way, 2026-11-24).
+// that way).
 py::object direct_into(py::args args) {
   thread_local std::vector<const Tensor*> tensors;
   py::object answer;

@@ -1,8 +1,8 @@
 """Custom ops whose eager calls skip the ``torch.library`` boundary when nothing needs it.
 
 A call through a custom op pays torch's Python dispatch of the op, and, when autograd records it, the op's autograd
-wrapper: ``gradops bench --per-call`` measures both against the direct path on your machine (on the 2-core CI VM
-with torch 2.13 at 8 x 8 fp32, 2026-11-23, after the call plans: a call through the op 14-28 µs more than the direct
+wrapper: ``gradops bench --per-call`` measures both against the direct path on your machine (on 2 cores
+with torch 2.13 at 8 x 8 fp32, with the call plans: a call through the op 14-28 µs more than the direct
 path, a recorded forward + backward pair 52-86 µs more). The boundary is needed only by something that watches or
 transforms the call: torch.compile / export / torch.jit.trace tracing, fake and functional tensors, dispatch and
 function modes, functorch transforms and the legacy vmap of batched gradients, tensor subclasses, meta tensors,
@@ -164,7 +164,7 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``t.reshape(shape)``, or ``t`` itself when it has that shape already: a reshape is a new view (~1.3 µs on
-    the CI VM) where the comparison costs 0.3, and a 2-D input or a 1-D statistic usually has its shape."""
+    2 cores) where the comparison costs 0.3, and a 2-D input or a 1-D statistic usually has its shape."""
     return t if t.shape == shape else t.reshape(shape)
 
 
@@ -180,7 +180,7 @@ def own(*results: Tensor) -> Any:
 
 
 #: autograd.Function's C++ apply (``_FunctionBase.apply``), or None on a torch without it. ``Function.apply``, the
-#: Python classmethod around it, costs ~3 µs per call on the CI VM (2026-11-23: 10.9 µs against 7.9 for a
+#: Python classmethod around it, costs ~3 µs per call on 2 cores (10.9 µs against 7.9 for a
 #: one-tensor Function) to unwrap tensors that escaped a functorch transform ("dead wrappers") and to bind
 #: default arguments for setup_context-style Functions; the FUNCTION path's Functions take ctx in forward and no
 #: transform is active there, so only the unwrap matters, and :func:`_apply` looks for such tensors first.

@@ -5,7 +5,7 @@ Every surface of an op runs the same two steps before its kernel: the contract's
 the 2-D view the backends work on) and the backend decision for the tensors' device. Both depend only on the
 arguments' metadata (each tensor's shape, dtype, device; each scalar's value) and on ``GRADOPS_BACKEND`` /
 ``TRITON_INTERPRET``, so :class:`Planner` keeps their joint answer, a :class:`CallPlan`, per key: after the first
-call of a shape, planning is one key and one lookup (at 8 x 8 fp32 on the 2-core CI VM, 2026-11-23: the check and
+call of a shape, planning is one key and one lookup (at 8 x 8 fp32 on 2 cores: the check and
 the choice apart 3.3 µs, the remembered plan 1.1 µs for one tensor).
 
 float64 arguments (the PyTorch API's superset of CANN's tables) are planned onto :func:`gradops.backend.wide`,
