@@ -26,7 +26,7 @@ OPS: tuple[Op, ...] = (
     # CANN's pair runs as one case: LayerNormGradBeta consumes LayerNormGrad's resForGamma
     Op("layer_norm_grad", "AscendC LayerNormGrad", True, "layer_norm_grad+beta"),
     Op("layer_norm_grad_beta", "AscendC LayerNormGradBeta", True, "layer_norm_grad+beta"),
-    Op("layer_norm_backward", "LayerNormGrad + LayerNormGradBeta fused", True, "layer_norm_backward"),
+    Op("layer_norm_backward", "aclnnLayerNormBackward", True, "layer_norm_backward"),
     Op("hardswish", "aclnnHardswish", False),
     Op("hardswish_backward", "aclnnHardswishBackward", True, "hardswish_backward"),
     Op("embedding_dense_backward", "aclnnEmbeddingDenseBackward", True, "embedding_dense_backward"),

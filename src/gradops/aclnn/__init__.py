@@ -46,6 +46,7 @@ from ..status import (
 from ._executor import aclDestroyAclOpExecutor, aclGetRecentErrMsg, aclOpExecutor, aclSetAclOpExecutorRepeatable
 from .embedding import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
 from .hardswish import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
+from .layer_norm import aclnnLayerNormBackward, aclnnLayerNormBackwardGetWorkspaceSize
 from .moe_permute import (
     aclnnMoeTokenPermute,
     aclnnMoeTokenPermuteGetWorkspaceSize,
@@ -89,6 +90,8 @@ __all__ = [
     "aclnnEmbeddingDenseBackwardGetWorkspaceSize",
     "aclnnHardswishBackward",
     "aclnnHardswishBackwardGetWorkspaceSize",
+    "aclnnLayerNormBackward",
+    "aclnnLayerNormBackwardGetWorkspaceSize",
     "aclnnMoeTokenPermute",
     "aclnnMoeTokenPermuteGetWorkspaceSize",
     "aclnnMoeTokenPermuteGrad",
