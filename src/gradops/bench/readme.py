@@ -224,26 +224,27 @@ def kernels(records: list[dict], results: Path = RESULTS) -> str:
 
 
 def readme(records: list[dict], results: Path = RESULTS) -> str:
-    """The README's summary: one row per run, fp32: each module at three sizes, then whole training steps."""
+    """The README's summary, fp32: each module at three sizes, then whole training steps; one row per benchmark and
+    day (a module whose cells come from another run of that day names its commit beside it)."""
     cells = _sweep(records, "module", "ratio")
-    by_run: dict[tuple, list[str]] = {}
-    first: dict[tuple, dict] = {}
+    groups: dict[tuple, list[tuple[str, str, str]]] = {}
     for module in MODULES:
         row = [cells.get((module, "fp32", size)) for size in README_SIZES]
         if not all(row):
             continue
-        run = (row[-1]["_file"], row[-1]["date"])
-        if any((r["_file"], r["date"]) != run for r in row):  # a module's cells from several runs: one row each
-            run = (run, module)
-        first.setdefault(run, row[-1])
-        by_run.setdefault(run, []).append(f"{module} " + " / ".join(f"{r['ratio']:.2f}" for r in row))
+        r = row[-1]
+        commits = ", ".join(dict.fromkeys(commit(c, results) for c in row))
+        groups.setdefault((day(r), machine(r), versions(r)), []).append(
+            (module, " / ".join(f"{c['ratio']:.2f}" for c in row), commits))
     sizes = " / ".join(f"{r}×{c}" for r, c in README_SIZES)
     lines = ["| benchmark | gradops / torch (below 1: gradops faster) | machine | versions | commit | date |",
              "|---|---|---|---|---|---|"]
-    for run, parts in by_run.items():
-        r = first[run]
-        lines.append(f"| `gradops bench --sweep`: module forward + backward, fp32, {sizes} | {'; '.join(parts)} | "
-                     f"{machine(r)} | {versions(r)} | {commit(r, results)} | {day(r)} |")
+    for (when, where, what), parts in groups.items():
+        commits = list(dict.fromkeys(c for _, _, c in parts))
+        shown = commits[0] if len(commits) == 1 else "; ".join(
+            f"{c} ({', '.join(m for m, _, mc in parts if mc == c)})" for c in commits)
+        lines.append(f"| `gradops bench --sweep`: module forward + backward, fp32, {sizes} | "
+                     f"{'; '.join(f'{m} {v}' for m, v, _ in parts)} | {where} | {what} | {shown} | {when} |")
     steps = _newest((r for r in records if r.get("bench") == "models" and r["dtype"] == "fp32"),
                     lambda r: r["model"])
     for run in dict.fromkeys((r["_file"], r["date"]) for r in steps.values()):
