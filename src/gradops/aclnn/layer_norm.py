@@ -4,8 +4,8 @@ The work is :func:`gradops.layer_norm_backward` (one pass for dx, dgamma and dbe
 2-D view ``(M, N)`` of the call, M the product of the leading dims and N of the normalized ones; results are cast
 into each out's dtype, as CANN's executor casts and view-copies them (``GenOutWithMask``).
 
-The parameter rules follow ops-nn's ``aclnnLayerNormBackward.md`` (its status table) and
-``aclnn_layer_norm_backward.cpp`` (``CheckNotNull``, ``CheckDtype``, ``CheckShape``):
+The parameter rules follow hicann/ops-nn's ``norm/layer_norm_grad_v3/docs/aclnnLayerNormBackward.md`` (its status
+table) and ``op_host/op_api/aclnn_layer_norm_backward.cpp`` (``CheckNotNull``, ``CheckDtype``, ``CheckShape``):
 
 - 161001: gradOut, input, normalizedShape, mean, rstd or outputMask None; an out whose mask entry is True None.
 - 161002: outputMask not 3 bools; a dtype outside float32 / float16 / bfloat16 (inputs, the optional weight and
