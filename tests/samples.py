@@ -247,9 +247,13 @@ def _moe_token_permute(r, dtypes):
     yield Sample("noncontig", "non-contiguous tokens", (_transposed(r.normal(10, 7)), r.ints(0, 3, 10, 2)))
     yield Sample("parallel", "CPU: T*K*H above PARALLEL_MIN, the parallel gather",
                  (r.normal(600, 64), r.ints(0, 16, 600, 2)), {"num_out_tokens": 1100})
-    yield Sample("negative-ids", "negative expert ids sort first", (r.normal(8, 5), r.ints(-3, 3, 8, 2)))
+    # Negative ids are refused (tests/test_errors.py, tests/test_moe_refusals.py); ids past every expert sort last.
+    ids = r.ints(0, 4, 8, 2, dtype=torch.int32)
+    ids[ids == 3] = 2**31 - 1
+    yield Sample("sentinel-ids", "ids past every expert (int32's max) sort last, num_out_tokens drops them",
+                 (r.normal(8, 5), ids), {"num_out_tokens": int((ids < 3).sum())})
     yield Sample("wide-span", "ids spanning far more values than copies: CPU's merge-sort path",
-                 (r.normal(6, 5), r.ints(-2**40, 2**40, 6, 3)))
+                 (r.normal(6, 5), r.ints(0, 2**41, 6, 3)))
 
 
 def _moe_token_permute_grad(r, dtypes):

@@ -119,6 +119,8 @@ CASES = [
     ("moe-padded", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"padded_mode": True}, INVALID, "padded_mode"),
     ("moe-num-out-beyond-int64", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"num_out_tokens": -(2**63) - 1}, INVALID, "num_out_tokens"),
     ("moe-num-out-type", "moe_token_permute", (t(4, 3), i32(0, 1, 2, 3)), {"num_out_tokens": 2.0}, INVALID, "num_out_tokens"),
+    # issue 36.5: a negative expert id sorted before expert 0 (CANN: ids >= 0)
+    ("moe-negative-id", "moe_token_permute", (t(4, 3), i32(0, 1, -1, 3)), {}, INVALID, "indices"),
     # ---- moe_token_permute_grad
     ("moeg-null", "moe_token_permute_grad", (None, i32(0, 1), 2), {}, NULL, "permuted_output_grad"),
     ("moeg-grad-dtype", "moe_token_permute_grad", (t(2, 3, dtype=torch.int32), i32(0, 1), 2), {}, INVALID, "permuted_output_grad.dtype"),
@@ -133,6 +135,9 @@ CASES = [
     ("moeg-too-many-rows", "moe_token_permute_grad", (t(5, 3), i32(0, 1, 2, 3), 2), {}, INVALID, "permuted_output_grad.shape"),
     ("moeg-index-too-big", "moe_token_permute_grad", (t(4, 3), i32(0, 1, 2, 4), 2), {}, INVALID, "sorted_indices"),
     ("moeg-index-negative", "moe_token_permute_grad", (t(4, 3), i32(0, -1, 2, 3), 2), {}, INVALID, "sorted_indices"),
+    # issue 36.4: not a permutation; every token got row 0's sum
+    ("moeg-not-permutation", "moe_token_permute_grad", (t(4, 3), i32(0, 0, 0, 0), 2), {}, INVALID, "sorted_indices"),
+    ("moeg-repeated", "moe_token_permute_grad", (t(4, 3), i32(3, 1, 2, 1), 2), {}, INVALID, "sorted_indices"),
     # ---- moe_token_unpermute (issue 16.4: each of these was accepted or answered with AttributeError)
     ("unp-null-tokens", "moe_token_unpermute", (None, i32(0, 1)), {}, NULL, "permuted_tokens"),
     ("unp-null-indices", "moe_token_unpermute", (t(2, 3), None), {}, NULL, "sorted_indices"),

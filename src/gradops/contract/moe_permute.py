@@ -4,9 +4,13 @@ aclnnMoeTokenUnpermuteGrad.
 Sources: the seed (004), hicann/ops-transformer ``moe/moe_token_{permute,unpermute}{,_grad}`` op defs and docs
 (docs/semantics.md §5). CANN checks little beyond dtypes and leaves bad shapes undefined; gradops refuses them
 with 161002 (the choice recommended in docs/semantics.md §5), and refuses sorted indices outside ``[0, T*K)``
-before any kernel reads with them. The unpermute pair also needs sorted_indices to be a permutation (CANN:
-"取值范围是[0, tokens_num*topK_num-1]，且没有重复索引", no repeated index): a repeated row would leave another
-row of the gradient with no source; each backend refuses one (:func:`permutation_error`) before it writes.
+before any kernel reads with them. The permute gradient and the unpermute pair also need sorted_indices to be a
+permutation (CANN: "取值范围是[0, tokens_num*topK_num-1]，且没有重复索引", no repeated index): a repeated row
+would sum one permuted row into several tokens and leave another without its source; each backend refuses one
+(:func:`permutation_error`) in the pass over the indices its kernel makes before it writes. The permute's expert
+ids must be >= 0 (CANN: "值大于等于0"); a negative one would sort before expert 0 and shift its rows, so each
+backend refuses it (:func:`expert_id_error`) in its sort's first pass; ids past every expert are accepted and
+sort last, where num_out_tokens drops them.
 Float tensors are CANN's three dtypes on the aclnn surface (``cann=True``); the PyTorch API also takes float64.
 """
 
@@ -119,6 +123,34 @@ def sorted_index_error(value: int, position: int, total: int, op: str = "moe_tok
     """The OpError (161002) of a sorted index ``value`` at ``position`` outside ``[0, T*K)``: one text for this
     module's check and each backend's own test where it reads the indices."""
     return fail(INVALID, op, "sorted_indices", f"values in [0, T*K) = [0, {total})", f"{value} at position {position}")
+
+
+def expert_id_error(value: int | str, position: int) -> OpError:
+    """The OpError (161002) of a negative expert id ``value`` at flat ``position`` of moe_token_permute's indices.
+
+    CANN documents the ids as "值大于等于0" (>= 0; aclnnMoeTokenPermute, indices): a negative id is outside the
+    op's domain, and sorting it first, as the formula's argsort would, takes expert 0's leading rows, so it is
+    refused rather than given a place of its own. Ids past every expert (routing sentinels, int32's max among
+    them) are accepted: the argsort puts them after every expert, where num_out_tokens drops them."""
+    return fail(INVALID, "moe_token_permute", "indices", "expert ids >= 0", f"{value} at position {position}")
+
+
+def negative_id_error(indices: torch.Tensor) -> OpError | None:
+    """The :func:`expert_id_error` of the first negative id in ``indices`` (read on the host), or None."""
+    flat = indices.detach().reshape(-1)
+    negative = (flat < 0).nonzero()
+    if not negative.numel():
+        return None
+    pos = int(negative[0, 0])
+    return expert_id_error(int(flat[pos]), pos)
+
+
+def checked_expert_ids(indices: torch.Tensor) -> torch.Tensor:
+    """Refuse a negative expert id (one host synchronisation: the reference backend's test; the compiled backends
+    test in their own sort's first pass and raise the same :func:`expert_id_error`); returns the tensor."""
+    if indices.numel() and int(indices.min()) < 0:
+        raise negative_id_error(indices)
+    return indices
 
 
 def checked_sorted_indices(sorted_indices: torch.Tensor, op: str = "moe_token_permute_grad") -> torch.Tensor:

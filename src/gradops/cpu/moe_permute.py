@@ -15,7 +15,13 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from ..contract.moe_permute import MoePlan, permutation_error, sorted_index_error
+from ..contract.moe_permute import (
+    MoePlan,
+    expert_id_error,
+    negative_id_error,
+    permutation_error,
+    sorted_index_error,
+)
 from ._host import PARALLEL_MIN, dense, finish, output, safe_entry
 from ._numeric import ld, st
 from ._views import STORAGE, view1, view2
@@ -69,7 +75,10 @@ def _destinations(ids, inverse):  # pragma: no cover - compiled
     """CANN's sorted_indices: ``inverse[i]`` = the rank of copy ``i`` in the stable order of the expert ids (the
     destination row of token ``i // K``'s copy ``i % K``). A counting sort when the ids span at most
     ``2·n + 4096`` values (every router: ids in [0, E)), else a stable merge argsort; both give argsort(stable)'s
-    ranks exactly. Serial: T·K·(s_idx + 4) bytes, small beside the gather's T·K·H·s."""
+    ranks exactly. Serial: T·K·(s_idx + 4) bytes, small beside the gather's T·K·H·s.
+
+    Returns -1, or the first position of a negative id (refused: expert ids are >= 0), found by the pass that
+    takes the ids' span, before anything is written."""
     n = ids.shape[0]
     lo = ids[0]
     hi = ids[0]
@@ -79,6 +88,10 @@ def _destinations(ids, inverse):  # pragma: no cover - compiled
             lo = v
         elif v > hi:
             hi = v
+    if lo < 0:
+        for i in range(n):
+            if ids[i] < 0:
+                return i
     # The span in float64 first: hi - lo of arbitrary int64 ids could overflow.
     if np.float64(hi) - np.float64(lo) < 2.0 * n + 4096.0:
         span = np.int64(hi) - np.int64(lo) + 1
@@ -98,6 +111,7 @@ def _destinations(ids, inverse):  # pragma: no cover - compiled
         first = np.argsort(ids, kind="mergesort")
         for j in range(n):
             inverse[first[j]] = j
+    return -1
 
 
 @njit(cache=True)
@@ -123,19 +137,21 @@ def _gather_parallel(tokens, inverse, topk, rows, out):  # pragma: no cover - co
 def _permute_entry(tok_at, dtype, t_count, h, idx_at, idx_dtype, total, topk, rows, out_at,
                    inv_at):  # pragma: no cover - compiled
     """MoeTokenPermute by address (see :mod:`gradops.cpu._views`): destinations, then the gather of the kept
-    rows, serially below :data:`PARALLEL_MIN` copied items."""
+    rows, serially below :data:`PARALLEL_MIN` copied items. Returns -1, or the first position of a negative id
+    (nothing written)."""
     if total == 0:
-        return
+        return -1
     inverse = view1(inv_at, np.int32, total)
-    _destinations(view1(idx_at, idx_dtype, total), inverse)
-    if rows == 0 or h == 0:
-        return
+    bad = _destinations(view1(idx_at, idx_dtype, total), inverse)
+    if bad >= 0 or rows == 0 or h == 0:
+        return bad
     tokens, out = view2(tok_at, dtype, t_count, h), view2(out_at, dtype, rows, h)
     if rows * h < PARALLEL_MIN:
         for c in range((total + _COPIES - 1) // _COPIES):
             _gather_chunk(tokens, inverse, topk, rows, out, c)
     else:
         _gather_parallel(tokens, inverse, topk, rows, out)
+    return -1
 
 
 @safe_entry
@@ -147,7 +163,8 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
 
     Args:
         tokens: (T, H) float32/float16/bfloat16.
-        indices: int32 / int64 ids, any values (a counting sort over their span, a merge sort when it is wide).
+        indices: int32 / int64 ids >= 0 (a counting sort over their span, a merge sort when it is wide); a
+            negative id raises OpError 161002 before anything is written.
         num_rows: the first rows of the permuted order to keep (<= T·K).
         out: optional preallocated ``(permuted, sorted_indices)``.
     """
@@ -157,8 +174,10 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
     permuted = output(None if out is None else out[0], (num_rows, h), tokens.dtype)
     inverse = output(None if out is None else out[1], (total,), torch.int32)
     x, idx = dense(tokens), dense(indices)
-    _permute_entry(x.data_ptr(), STORAGE[x.dtype], t_count, h, idx.data_ptr(), STORAGE[idx.dtype], total, k,
-                   num_rows, permuted.data_ptr(), inverse.data_ptr())
+    bad = _permute_entry(x.data_ptr(), STORAGE[x.dtype], t_count, h, idx.data_ptr(), STORAGE[idx.dtype], total, k,
+                         num_rows, permuted.data_ptr(), inverse.data_ptr())
+    if bad >= 0:
+        raise negative_id_error(idx) or expert_id_error("a value changed again before it could be shown", -1)
     if out is None:
         return permuted, inverse
     return finish(permuted, out[0]), finish(inverse, out[1])
@@ -172,12 +191,16 @@ def moe_token_permute_shaped(plan: MoePlan, tokens: Tensor, indices: Tensor, num
 
 
 @njit(cache=True)
-def _first_outside(idx, total):  # pragma: no cover - compiled
-    """The first position whose entry lies outside ``[0, total)``, or -1: one serial pass over T·K indices
-    (T·K·4 bytes against the kernel's T·K·H·s), before the kernel reads a row with any of them."""
-    for i in range(idx.shape[0]):
-        if idx[i] < 0 or idx[i] >= total:
+def _first_not_permutation(idx):  # pragma: no cover - compiled
+    """The first position whose entry lies outside ``[0, n)`` or repeats an earlier one, or -1: ``idx`` is then a
+    permutation of ``[0, n)``. One serial pass with an n-byte bitmap (T·K·(s_idx + 1) bytes)."""
+    n = idx.shape[0]
+    seen = np.zeros(n, dtype=np.uint8)
+    for i in range(n):
+        v = idx[i]
+        if v < 0 or v >= n or seen[v]:
             return i
+        seen[v] = 1
     return -1
 
 
@@ -236,10 +259,11 @@ def _permute_grad_run(grad, sorted_indices, topk, out):  # pragma: no cover - co
 
 @njit(cache=True)
 def _permute_grad_entry(grad_at, dtype, a, h, idx_at, idx_dtype, total, topk, out_at):  # pragma: no cover - compiled
-    """MoeTokenPermuteGrad by address (see :mod:`gradops.cpu._views`): the range test of the T·K indices first
-    (returns the first position outside [0, T·K), nothing written), then the gather-sums; else -1."""
+    """MoeTokenPermuteGrad by address (see :mod:`gradops.cpu._views`): the permutation test of the T·K indices
+    first (returns the first position outside [0, T·K) or repeated, nothing written), then the gather-sums; else
+    -1."""
     idx = view1(idx_at, idx_dtype, total)
-    bad = _first_outside(idx, total)
+    bad = _first_not_permutation(idx)
     if bad >= 0:
         return bad
     tokens = total // topk
@@ -249,14 +273,16 @@ def _permute_grad_entry(grad_at, dtype, a, h, idx_at, idx_dtype, total, topk, ou
 
 
 @safe_entry
-def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *,
+def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
                            out: Tensor | None = None) -> Tensor:
-    """aclnnMoeTokenPermuteGrad: ``grad[A,H]``, range-checked ``sorted_indices[T·K]`` -> ``out[T,H]`` (grad's dtype).
+    """aclnnMoeTokenPermuteGrad: ``grad[A,H]``, checked ``sorted_indices[T·K]`` -> ``out[T,H]`` (grad's dtype).
 
     Args:
         grad: (A, H) float32/float16/bfloat16.
-        sorted_indices: (T·K,) int32 or int64, CANN's convention; an entry outside [0, T·K) raises OpError 161002
-            before anything is read with it or written (never trusted, even when the caller checked it).
+        sorted_indices: (T·K,) int32 or int64, CANN's convention, a permutation of [0, T·K): an entry outside it
+            or a repeated one raises OpError 161002 before anything is read with it or written. Never trusted,
+            whatever ``trusted`` says: the kernel reads rows with the entries, and its one bitmap pass
+            (T·K·(s_idx + 1) bytes against the sums' T·K·H·s) is what keeps those reads in bounds.
         num_topk: K.
         out: optional preallocated (T, H).
 
@@ -270,7 +296,8 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     bad = _permute_grad_entry(grad.data_ptr(), STORAGE[grad.dtype], a, h, idx.data_ptr(), STORAGE[idx.dtype], total,
                               num_topk, buf.data_ptr())
     if bad >= 0:
-        raise sorted_index_error(idx[bad].item(), bad, total)
+        raise permutation_error(idx, "moe_token_permute_grad") or sorted_index_error(
+            "a value changed again before it could be shown", -1, total)
     return finish(buf, out)
 
 
@@ -278,22 +305,8 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
 def moe_token_permute_grad_shaped(plan: MoePlan, grad: Tensor, sorted_indices: Tensor, num_topk: int,
                                   padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones). The
-    range test runs in the kernel whatever ``checked`` says (it is free here)."""
+    permutation test runs in the kernel whatever ``checked`` says (it is cheap here)."""
     return moe_token_permute_grad(grad, sorted_indices, num_topk)
-
-
-@njit(cache=True)
-def _first_not_permutation(idx):  # pragma: no cover - compiled
-    """The first position whose entry lies outside ``[0, n)`` or repeats an earlier one, or -1: ``idx`` is then a
-    permutation of ``[0, n)``. One serial pass with an n-byte bitmap (T·K·(s_idx + 1) bytes)."""
-    n = idx.shape[0]
-    seen = np.zeros(n, dtype=np.uint8)
-    for i in range(n):
-        v = idx[i]
-        if v < 0 or v >= n or seen[v]:
-            return i
-        seen[v] = 1
-    return -1
 
 
 @njit(cache=True)

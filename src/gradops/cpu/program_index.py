@@ -20,7 +20,6 @@ from .moe_permute import (
     _unpermute_chunk,
     _unpermute_grad_chunk,
 )
-from .moe_permute import _first_outside as _first_outside_total
 from .programs import I64 as _I64
 from .programs import Program, arg, blocks_grain, chunks, piece, rows_grain
 
@@ -136,8 +135,7 @@ _I32 = np.dtype(np.int32)
 def _moe_destinations(i_s):
     def body(at, lo, hi):  # pragma: no cover - compiled; args: ids, inverse, total
         a = view1(at, _I64, 3)
-        _destinations(view1(a[0], i_s, a[2]), view1(a[1], _I32, a[2]))
-        return -1
+        return _destinations(view1(a[0], i_s, a[2]), view1(a[1], _I32, a[2]))  # a negative id's position, or -1
     return body
 
 
@@ -150,14 +148,6 @@ def _moe_gather(s):
         for c in range(lo, hi):
             _gather_chunk(tokens, inverse, a[6], rows, out, c)
         return -1
-    return body
-
-
-@piece
-def _moe_outside(i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, total
-        a = view1(at, _I64, 2)
-        return _first_outside_total(view1(a[0], i_s, a[1]), a[1])
     return body
 
 
@@ -239,7 +229,7 @@ def _moe_token_permute_grad(plan, grad, sorted_indices, num_topk, padded_mode):
         return None
     p = Program()
     out = p.output((tokens, h), grad.dtype)
-    p.step(_moe_outside(sorted_indices.dtype), [arg(1), total])
+    p.step(_moe_not_permutation(sorted_indices.dtype), [arg(1), total])
     pieces = chunks(tokens, _TOKENS)
     p.step(_moe_sums(grad.dtype, sorted_indices.dtype), [arg(0), arg(1), out, a, h, total, num_topk], pieces,
            blocks_grain(pieces, tokens * h))

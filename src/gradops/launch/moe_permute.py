@@ -7,7 +7,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ..contract.moe_permute import permutation_error, sorted_index_error
+from ..contract.moe_permute import expert_id_error, negative_id_error, permutation_error, sorted_index_error
 from ..kernels.moe_permute import (
     moe_blocks,
     moe_token_permute_grad_kernel,
@@ -33,7 +33,9 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
 
     Args:
         tokens: (T, H) float16 / bfloat16 / float32, any strides.
-        indices: (T, K) or (T,) int32 / int64 expert ids.
+        indices: (T, K) or (T,) int32 / int64 expert ids, >= 0: a negative one is flagged (OpError 161002, see
+            :func:`._common.guard`; no host synchronisation on CUDA). The kernel's accesses do not depend on the
+            ids' values (it reads the sort's permutation), so nothing is out of bounds whatever the flag says.
         num_rows: permuted rows kept (<= T*K).
         workspace: optional uint8 scratch of :func:`moe_token_permute_workspace` bytes.
         out: optional contiguous ``(permuted, sorted_indices)`` to write into. block_h: tests.
@@ -50,6 +52,9 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
         return permuted, inverse
     keys, first = carve(workspace, tokens.device, _specs(indices))
     torch.sort(indices.reshape(-1), stable=True, out=(keys, first))
+    # The smallest id is the sorted keys' first: one element read on the device, no pass of its own.
+    guard(keys[0] < 0, lambda: negative_id_error(indices) or expert_id_error(
+        "a value changed again before it could be shown", -1))
     block_t, block_h, warps = moe_blocks(h, block_h)
     launch(moe_token_permute_kernel, (triton.cdiv(total, block_t), triton.cdiv(max(h, 1), block_h)), tokens, first,
            permuted, inverse, total, num_rows, k, h, tokens.stride(0), tokens.stride(1), BLOCK_J=block_t,
@@ -57,23 +62,28 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
     return permuted, inverse
 
 
-def _range_error(sorted_indices: Tensor, total: int) -> Exception:
-    """The OpError of the first entry outside ``[0, T*K)`` (read when the error is raised)."""
-    bad = ((sorted_indices < 0) | (sorted_indices >= total)).nonzero()
-    if not bad.numel():  # changed again since the kernel saw it
-        return sorted_index_error("a value changed again before it could be shown", -1, total)
-    pos = int(bad[0, 0])
-    return sorted_index_error(int(sorted_indices[pos]), pos, total)
+def _guard_permutation(sorted_indices: Tensor, op: str) -> None:
+    """Flag sorted indices that are not a permutation of ``[0, T*K)`` (a sorted copy differs from ``arange``: one
+    device sort of T*K ints, no host synchronisation on CUDA; see :func:`._common.guard`). The kernels read and
+    write only rows in ``[0, A)`` whatever the flag says; a repeated row would sum one row into several tokens
+    (the permute gradient) or leave a gradient row unwritten (the unpermute gradient)."""
+    total = sorted_indices.numel()
+    if total:
+        ordered = torch.sort(sorted_indices).values
+        bad = (ordered != torch.arange(total, dtype=ordered.dtype, device=ordered.device)).any()
+        guard(bad, lambda: permutation_error(sorted_indices, op) or sorted_index_error(
+            "a value changed again before it could be shown", -1, total, op))
 
 
-def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, out: Tensor | None = None,
-                           block_h: int | None = None) -> Tensor:
+def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
+                           out: Tensor | None = None, block_h: int | None = None) -> Tensor:
     """``out[t] = sum_{k<K} grad[sorted_indices[t*K + k]]`` (fp32, k order; rows >= A add nothing).
 
     Args:
         grad: (A, H), A <= T*K, float16 / bfloat16 / float32, any strides.
-        sorted_indices: (T*K,) int32 / int64; entries outside [0, T*K) are never read with and raise OpError
-            161002 (see :func:`._common.guard`).
+        sorted_indices: (T*K,) int32 / int64, a permutation of [0, T*K): flagged otherwise unless ``trusted``
+            (the backward of this package's own forward), as OpError 161002 (see :func:`_guard_permutation`); the
+            kernel never reads a row outside [0, A) either way.
         num_topk: K in [1, 512]. out: optional contiguous (T, H) tensor to write into.
         block_h: column block override (tests).
 
@@ -84,10 +94,8 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     total = sorted_indices.numel()
     t = total // num_topk
     out = outputs(out, [((t, h), grad.dtype)], grad.device)[0]
-    if total:
-        # The kernel reads only rows in [0, A); the flag reports entries outside [0, T*K) (no host sync on CUDA).
-        guard(((sorted_indices < 0) | (sorted_indices >= total)).any(),
-              lambda: _range_error(sorted_indices, total))
+    if not trusted:
+        _guard_permutation(sorted_indices, "moe_token_permute_grad")
     if t == 0 or h == 0:
         return out
     block_t, block_h, warps = moe_blocks(h, block_h)
@@ -95,18 +103,6 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
            sorted_indices.contiguous(), out, t, num_topk, rows, h, grad.stride(0), grad.stride(1), BLOCK_T=block_t,
            BLOCK_H=block_h, num_warps=warps)
     return out
-
-
-def _guard_permutation(sorted_indices: Tensor, op: str) -> None:
-    """Flag sorted indices that are not a permutation of ``[0, T*K)`` (a sorted copy differs from ``arange``: one
-    device sort of T*K ints, no host synchronisation on CUDA; see :func:`._common.guard`). The kernels read and
-    write only rows in ``[0, A)`` whatever the flag says; a repeated row would leave a gradient row unwritten."""
-    total = sorted_indices.numel()
-    if total:
-        ordered = torch.sort(sorted_indices).values
-        bad = (ordered != torch.arange(total, dtype=ordered.dtype, device=ordered.device)).any()
-        guard(bad, lambda: permutation_error(sorted_indices, op) or sorted_index_error(
-            "a value changed again before it could be shown", -1, total, op))
 
 
 def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None, *,

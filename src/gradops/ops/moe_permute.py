@@ -25,10 +25,12 @@ check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_g
 
 def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                      padded_mode: bool = False, *, checked: bool = False) -> Tensor:
-    """The backend, after the range test of the indices unless ``checked`` (the forward's own output)."""
+    """The backend, after the range test of the indices unless ``checked`` (the forward's own output, a
+    permutation by construction: the backend then skips its own permutation test, which on CUDA is a device
+    sort)."""
     if not checked:
         checked_sorted_indices(sorted_indices)
-    return own(fn(permuted_output_grad, sorted_indices, num_topk))
+    return own(fn(permuted_output_grad, sorted_indices, num_topk, trusted=checked))
 
 
 plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
@@ -107,7 +109,10 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
 
     Args:
         tokens: (T, H), float16 / bfloat16 / float32, or float64 (beyond CANN's table).
-        indices: (T, K) or (T,) expert ids, int32 / int64, 1 <= K <= 512.
+        indices: (T, K) or (T,) expert ids, int32 / int64, 1 <= K <= 512. Ids must be >= 0 (CANN's range): a
+            negative one raises OpError 161002 (on CUDA, as for the gradient's sorted_indices, at the next
+            gradops launch); ids past every expert (e.g. a routing
+            sentinel) are accepted and sort last, so ``num_out_tokens`` can drop them.
         num_out_tokens: keep only the first rows of the permuted order (token dropping); None or 0 keeps all
             T*K, negative values count from the end as in a Python slice.
         padded_mode: must be False (CANN supports only False).
@@ -137,8 +142,10 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
     Args:
         permuted_output_grad: (A, H) with A <= T*K rows (fewer when the forward dropped tokens; indices >= A
             then add nothing).
-        sorted_indices: (T*K,) int32 (int64 accepted), CANN's convention; values outside [0, T*K) raise
-            OpError 161002 before any kernel runs.
+        sorted_indices: (T*K,) int32 (int64 accepted), CANN's convention, a permutation of [0, T*K) (as
+            :func:`moe_token_permute` returns): an entry outside it or a repeated one raises OpError 161002
+            (on CUDA, where the Triton backend checks without a host synchronisation, at the next gradops
+            launch or ``gradops.synchronize()``).
         num_topk: K in [1, 512].
         padded_mode: must be False.
         out: optional preallocated (T, H) in the gradient's dtype to write into (see :mod:`gradops.ops._out`).

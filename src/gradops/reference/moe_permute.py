@@ -6,13 +6,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..contract.moe_permute import checked_permutation, checked_sorted_indices
+from ..contract.moe_permute import checked_expert_ids, checked_permutation
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """CANN's permute: ``first = argsort(flatten(indices), stable)``, ``sorted_indices = argsort(first)`` (the
     INVERSE permutation: the destination row of token t's k-th copy), ``permuted[sorted_indices[i]] =
-    tokens[i // K]``, keeping the first ``num_rows`` permuted rows. sorted_indices is int32."""
+    tokens[i // K]``, keeping the first ``num_rows`` permuted rows. sorted_indices is int32. A negative expert id
+    is refused (OpError 161002, :func:`gradops.contract.moe_permute.expert_id_error`); ids past every expert sort
+    last."""
+    checked_expert_ids(indices)
     k = indices.shape[1] if indices.dim() == 2 else 1
     first = torch.argsort(indices.reshape(-1), stable=True)
     inverse = torch.empty_like(first)
@@ -24,13 +27,16 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int) -> tuple[T
 
 
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int,
-                           compute: torch.dtype = torch.float32) -> Tensor:
+                           compute: torch.dtype = torch.float32, *, trusted: bool = False) -> Tensor:
     """``out[t] = sum_{k < K} grad[sorted_indices[t*K + k]]``, summed in k order in ``compute``.
 
-    ``grad`` has A <= T*K rows; an entry in ``[A, T*K)`` names a row the forward dropped and adds nothing. An
-    entry outside ``[0, T*K)`` is refused (OpError 161002), even if the caller checked it before.
+    ``grad`` has A <= T*K rows; an entry in ``[A, T*K)`` names a row the forward dropped and adds nothing.
+    sorted_indices must be a permutation of ``[0, T*K)`` (CANN: no repeated index): an entry outside it or a
+    repeated one is refused (OpError 161002), even if the caller checked the range before, unless ``trusted`` (the
+    backward of this package's own forward, whose output is a permutation by construction).
     """
-    checked_sorted_indices(sorted_indices)
+    if not trusted:
+        checked_permutation(sorted_indices, "moe_token_permute_grad")
     rows, hidden = grad.shape
     idx = sorted_indices.long().view(-1, num_topk)
     # Gather from grad plus one zero row, so dropped rows read exact zeros (no 0 * inf = NaN from masking).
