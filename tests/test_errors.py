@@ -252,6 +252,22 @@ def test_rows_without_columns_give_empty_gradients(backend):
     assert y.shape == (4, 0) and bool(rstd.isnan().all())
 
 
+@pytest.mark.parametrize("x_shape,stat_shape", [((0,), ()), ((3, 0), (3, 1)), ((2, 3, 0), (2, 3, 1)),
+                                                  ((3, 0), (3,))], ids=["0d", "keepdim", "3d-keepdim", "flat"])
+def test_layer_norm_backward_without_columns_takes_every_statistic_shape(backend, x_shape, stat_shape):
+    """H = 0 with the statistic shapes the contract takes (``x.shape[:-1]``, 0-d for a 1-D x, or its keepdim
+    form): empty dx, empty dgamma / dbeta, and a negative rstd still refused (issue 36.13: the CPU backend raised
+    a numba TypingError for 0-d and (M, 1) statistics; the torch backend answered these)."""
+    x, gamma = t(*x_shape), t(0)
+    dx, dgamma, dbeta = gradops.layer_norm_backward(x, x, t(*stat_shape), t(*stat_shape) + 1, gamma)
+    assert dx.shape == x_shape and dgamma.shape == dbeta.shape == (0,)
+    with pytest.raises(gradops.OpError) as info:
+        gradops.layer_norm_backward(x, x, t(*stat_shape), t(*stat_shape) - 1, gamma)
+    assert info.value.status == INVALID and info.value.arg == "rstd"
+    pd_x, res = gradops.layer_norm_grad(x, x, t(*stat_shape) + 1, t(*stat_shape), gamma, 1e-5)
+    assert pd_x.shape == res.shape == x_shape
+
+
 def test_scratch_is_sized_by_the_work_not_the_table(backend):
     """E = 0 with V = 2^31 + 1: the result is the empty (V, 0) table; no 16·V bytes of scratch are asked for."""
     out = gradops.embedding_dense_backward(t(3, 0), torch.tensor([0, 5, 2 ** 31]), 2 ** 31 + 1, -1, True)

@@ -427,7 +427,8 @@ def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tens
     contract's OpError (161002) before anything is written (the kernel finds it)."""
     mean, rstd = dense(mean.float()), dense(rstd.float())
     if m == 0 or n == 0:
-        if check and m and _first_below(rstd.numpy(), 0.0) >= 0:
+        # rstd as the contract takes it: (M,), the keepdim (M, 1), or 0-d for a 1-D x; the kernel reads it flat.
+        if check and m and _first_below(rstd.numpy().reshape(-1), 0.0) >= 0:
             raise statistic_error("layer_norm_backward", "rstd", rstd, 0.0)
         dgamma.zero_()
         dbeta.zero_()
