@@ -45,6 +45,8 @@ CASES = [
     ("rmsg-gamma-rank", "rms_norm_grad", (t(4, 8), t(4, 8), t(4), t(1, 4, 8)), {}, TILING, "gamma.dim()"),
     ("rmsg-dy-shape", "rms_norm_grad", (t(2, 4, 9), X, R, G), {}, TILING, "dy.shape"),
     ("rmsg-gamma-shape", "rms_norm_grad", (X, X, R, t(7)), {}, TILING, "gamma.shape"),
+    # issue 36.14: dy against x first (CANN's tiling order); gamma, which matches dy, was named
+    ("rmsg-dy-x-before-gamma", "rms_norm_grad", (t(4, 8), t(4, 7), t(4), t(8)), {}, TILING, "dy.shape"),
     ("rmsg-rstd-shape", "rms_norm_grad", (X, X, t(4, 2), G), {}, TILING, "rstd.shape"),
     ("rmsg-rstd-prefix-skips-non-1", "rms_norm_grad", (X, X, t(2), G), {}, TILING, "rstd.shape"),
     ("rmsg-rstd-keepdim-numel", "rms_norm_grad", (X, X, t(2, 4, 2), G), {}, TILING, "rstd.shape"),
@@ -266,6 +268,20 @@ def test_layer_norm_backward_without_columns_takes_every_statistic_shape(backend
     assert info.value.status == INVALID and info.value.arg == "rstd"
     pd_x, res = gradops.layer_norm_grad(x, x, t(*stat_shape) + 1, t(*stat_shape), gamma, 1e-5)
     assert pd_x.shape == res.shape == x_shape
+
+
+@pytest.mark.parametrize("model,given", [("model", "a str"), (None, "a NoneType"),
+                                         (torch.nn.LayerNorm, "the class LayerNorm")], ids=["str", "none", "class"])
+def test_patch_names_what_it_takes(model, given):
+    """issue 36.14: ``gradops.patch("model")`` raised AttributeError from inside the walker."""
+    with pytest.raises(TypeError, match=rf"gradops\.patch: model must be a torch\.nn\.Module instance .*got {given}$"):
+        gradops.patch(model)
+
+
+@pytest.mark.parametrize("swaps", [[torch.nn.LayerNorm], {"LayerNorm": gradops.nn.LayerNorm}], ids=["list", "str-key"])
+def test_patch_names_a_bad_swap_table(swaps):
+    with pytest.raises(TypeError, match=r"gradops\.patch: swaps must"):
+        gradops.patch(torch.nn.Sequential(torch.nn.LayerNorm(4)), swaps)
 
 
 def test_scratch_is_sized_by_the_work_not_the_table(backend):

@@ -124,9 +124,23 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
         A :class:`PatchReport` listing the swapped modules, the transformers experts modules switched to the
         "gradops" experts implementation, and the matching ones that were kept (subclasses of the torch
         classes, unsupported options such as ``Embedding(sparse=True)``, unknown norm formulas).
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (a model's name or path is not loaded here: load the model,
+            then patch it), or ``swaps`` is not a dict of module classes to subclasses of them.
     """
+    if not isinstance(model, torch.nn.Module):
+        given = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
+        raise TypeError(f"gradops.patch: model must be a torch.nn.Module instance (the model to patch in place), "
+                        f"got {given}")
+    if swaps is not None and not isinstance(swaps, dict):
+        raise TypeError(f"gradops.patch: swaps must be None or a dict {{torch module class: gradops subclass}}, "
+                        f"got {type(swaps).__name__}")
     table = SWAPS if swaps is None else swaps
     for source, target in table.items():
+        if not (isinstance(source, type) and isinstance(target, type)):
+            raise TypeError(f"gradops.patch: swaps must map module classes to module classes, got "
+                            f"{source!r}: {target!r}")
         if not issubclass(target, source):
             raise TypeError(f"gradops.patch: {target.__name__} must subclass {source.__name__} to replace it in place")
     targets = set(table.values())

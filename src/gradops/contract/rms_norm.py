@@ -63,10 +63,18 @@ def _plan(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormPlan:
     return RmsNormPlan(numel(x.shape[:k]), numel(gamma.shape), tuple(x.shape[:k]) + (1,) * gamma.dim())
 
 
-def _check_gamma_shape(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
+def _check_ranks(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
     require_rank(op, "x", x, 1, MAX_RANK, status)
     require_rank(op, "gamma", gamma, 1, x.dim(), status)
+
+
+def _check_gamma_trailing(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
     require_shape(op, "gamma", gamma, x.shape[x.dim() - gamma.dim():], "the trailing dims of x", status)
+
+
+def _check_gamma_shape(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
+    _check_ranks(op, x, gamma, status)
+    _check_gamma_trailing(op, x, gamma, status)
 
 
 def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: bool = False) -> RmsNormPlan:
@@ -121,8 +129,11 @@ def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool 
     if cann:
         require_same_dtype(op, "dxOut", dx, "dy", dy)
         require_dtype(op, "dgammaOut", dgamma, (torch.float32,))
-    _check_gamma_shape(op, x, gamma, TILING)
+    # CANN's tiling order (rms_norm_grad_tiling.cpp): the dims, then dy against x, then gamma against x's
+    # trailing dims; so dy (4, 8) beside x (4, 7) and gamma (8,) is reported as the dy/x mismatch it is first.
+    _check_ranks(op, x, gamma, TILING)
     require_shape(op, "dy", dy, x.shape, "the shape of x", TILING)
+    _check_gamma_trailing(op, x, gamma, TILING)
     plan = _plan(x, gamma)
     _check_rstd_shape(op, x, rstd, x.dim() - gamma.dim(), plan.rows)
     if cann:
