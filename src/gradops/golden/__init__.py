@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_support import seed_value
 from .cases import INDEX_DTYPES, OPTIONS, THIRD_PARTIES, Case, CaseError, make
 from .files import CaseFileError, write, write_manifest
 
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("op", help="operator (gradops.registry.NAMES), e.g. rms_norm_grad")
     parser.add_argument("--shape", required=True, help="activation shape, sizes joined by x: 64x128 (MoE: TxH)")
     parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_value, default=0, help="an integer from 0 to 2^63 - 1")
     parser.add_argument("--out", required=True, type=Path, help="case directory to write")
     parser.add_argument("--device", default="cpu", help="where the third-party kernel runs (cpu, cuda)")
     parser.add_argument("--third-party", choices=THIRD_PARTIES, default="torch",
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         case = make(args.op, args.shape, args.dtype, args.seed, args.device, third_party=args.third_party, **opts)
         manifest = write_case(case, args.out, shape=args.shape, dtype=args.dtype, seed=args.seed)
     except (CaseError, CaseFileError, OSError) as err:
-        print(f"gradops golden: {err}", file=sys.stderr)
+        message = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.strerror else str(err)
+        print(f"gradops golden: {message}".replace("\n", "\\n"), file=sys.stderr)  # one line, whatever it holds
         return 2
     print(f"gradops golden: {manifest['op']} ({manifest['cann']}) {args.shape} {args.dtype} seed {args.seed} -> "
           f"{args.out}/")

@@ -20,9 +20,11 @@ family) gradops' own kernel on ``device``. The manifest names the source per out
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,8 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
     def f32_or(d):
         return torch.float32 if opts.get("stat_dtype", "float32") == "float32" else d
 
+    if (op.startswith(("rms_norm", "layer_norm"))) and len(shape) < 2:
+        raise CaseError(f"{op}: --shape must be rows x H (at least two sizes; H is normalised), got {shape[0]}")
     h = shape[-1]
     rows = math.prod(shape[:-1])
     param = torch.float32 if opts.get("gamma_dtype") == "float32" else dtype  # the tables' float32 gamma/beta
@@ -115,9 +119,10 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
         return {"self": x} if op == "hardswish" else {"grad_output": normal(*shape), "self": x}
     if op == "embedding_dense_backward":
         tokens = rows
-        vocab = int(opts.get("num_weights") or max(2, tokens // 2))  # fewer rows than tokens: repeats
-        if vocab < 1:
-            raise CaseError(f"{op}: --num-weights must be >= 1, got {vocab}")
+        # fewer rows than tokens by default: repeats; a given --num-weights is used as given, 0 included (refused)
+        vocab = int(opts["num_weights"]) if "num_weights" in opts else max(2, tokens // 2)
+        if not 1 <= vocab < INDEX_LIMIT:
+            raise CaseError(f"{op}: --num-weights must be >= 1 and below 2^63 (an int64 index), got {vocab}")
         padding = int(opts.get("padding_idx", 1 if vocab > 1 else -1))
         itype = _index_dtype(op, opts)
         top = min(vocab, _INDEX_RANGE.get(itype, vocab))  # narrow index types reach only the table's first rows
@@ -140,8 +145,8 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
     t, h = shape
     k = int(opts.get("topk", 2))
     experts = int(opts.get("experts", 8))
-    if not 1 <= k <= 512 or experts < 1:
-        raise CaseError(f"{op}: --topk must be in [1, 512] and --experts >= 1, got {k} and {experts}")
+    if not 1 <= k <= 512 or not 1 <= experts < INDEX_LIMIT:
+        raise CaseError(f"{op}: --topk must be in [1, 512] and --experts >= 1 (below 2^63), got {k} and {experts}")
     ids = torch.randint(0, experts, (t, k), generator=g)
     if t > 1:
         ids[1::5, :] = ids[1::5, :1]  # duplicate experts within a token: ties keep token order
@@ -158,6 +163,8 @@ def _inputs(op: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Genera
             "probs": probs}
 
 
+#: Table rows and expert ids are drawn as int64: a count must stay below this.
+INDEX_LIMIT = 1 << 63
 #: Index dtypes by op: aclnnEmbeddingDenseBackward takes nine (docs/semantics.md §2), the MoE permute two.
 INDEX_DTYPES = {"embedding_dense_backward": ("int64", "int32", "int16", "int8", "uint8", "bool", "float64", "float32",
                                             "float16"),
@@ -275,10 +282,8 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
             scale_grad_by_freq, index_dtype, topk, experts, num_out_tokens).
 
     Raises:
-        CaseError: unknown op or dtype, bad shape, option out of range.
+        CaseError: unknown op or dtype, bad shape, seed or device, option out of range, not enough memory.
     """
-    import gradops
-
     if op not in NAMES:
         raise CaseError(f"unknown op {op!r}; one of: {', '.join(NAMES)}")
     if dtype not in FLOATS:
@@ -286,14 +291,84 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
     if third_party not in THIRD_PARTIES:
         raise CaseError(f"--third-party {third_party!r}: one of {', '.join(THIRD_PARTIES)}")
     dims = parse_shape(shape) if isinstance(shape, str) else tuple(shape)
-    if not dims or any(d < 0 for d in dims):
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
         raise CaseError(f"--shape {shape!r}: at least one non-negative size")
+    if math.prod(dims) > MAX_ELEMENTS:
+        raise CaseError(f"--shape {'x'.join(map(str, dims))}: {math.prod(dims)} elements; at most 2^31 "
+                        f"(CANN's precision standard's largest case)")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise CaseError(f"--seed {seed!r}: an integer from 0 to 2^63 - 1")
+    dev = _device(device)
+    _check_memory(op, dims, opts)
+    with _memory(dims):
+        return _build(op, dims, dtype, seed, dev, device, third_party, opts)
+
+
+#: The largest activation a case generates: CANN's precision standard (COMMERCIAL_OPS_PRECISION_DOCS §2) caps a
+#: case at 2^31 elements in total.
+MAX_ELEMENTS = 1 << 31
+#: Seeds beyond this overflow torch's generator (gradops.cli_support.SEED_LIMIT, the CLI's bound).
+SEED_LIMIT = 1 << 63
+
+
+def _device(device: str) -> torch.device:
+    """``--device``: cpu or cuda[:N] present here (meta tensors hold no values to write, other devices run no
+    gradops backend)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise CaseError(f"--device {device!r}: expected cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise CaseError(f"--device {device!r}: the third party runs on cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CaseError(f"--device {device}: no CUDA device here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CaseError(f"--device {device}: {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
+#: Peak host bytes per element of a case's largest tensor while it is built (inputs, float64 golden, gradops'
+#: and the third party's outputs): measured 133 (rms_norm_grad), 150 (layer_norm_backward), 88 per permuted element
+#: (moe_token_unpermute_grad) at 2048x1024 float32; rounded up.
+BYTES_PER_ELEMENT = 160
+
+
+def _check_memory(op: str, dims: tuple[int, ...], opts: dict) -> None:
+    """Refuse a case that cannot fit in the memory available now (Linux's MemAvailable; elsewhere unchecked):
+    with overcommit the allocation itself succeeds and the kernel's OOM killer ends the process instead."""
+    elements = math.prod(dims) * (int(opts.get("topk") or 2) if op.startswith("moe") else 1)
+    need = elements * BYTES_PER_ELEMENT
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if need > available:
+        raise CaseError(f"--shape {'x'.join(map(str, dims))}: needs about {need / 2**30:.1f} GiB of memory, "
+                        f"{available / 2**30:.1f} GiB available")
+
+
+@contextlib.contextmanager
+def _memory(dims: tuple[int, ...]) -> Iterator[None]:
+    """An allocation that fails (host or device memory) becomes a :class:`CaseError` naming the shape; any other
+    RuntimeError is a bug and keeps its traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as err:
+        text = str(err)
+        if not isinstance(err, MemoryError) and "allocate" not in text and "out of memory" not in text:
+            raise
+        reason = text.splitlines()[0][:120] if text else "out of memory"
+        raise CaseError(f"--shape {'x'.join(map(str, dims))}: not enough memory for this case ({reason})") from None
+
+
+def _build(op: str, dims: tuple[int, ...], dtype: str, seed: int, dev: torch.device, device: str,
+           third_party: str, opts: dict) -> Case:
+    import gradops
+
     g = torch.Generator().manual_seed(seed)
     inputs = _inputs(op, dims, FLOATS[dtype], g, {k: v for k, v in opts.items() if v is not None})
     args = list(inputs.values())
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CaseError(f"--device {device}: no CUDA device here")
     try:
         ours = getattr(gradops, op)(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args])
     except gradops.OpError as err:
