@@ -353,3 +353,15 @@ def test_the_real_command_line_prints_no_traceback(base_case, tmp_path):
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout, done.stderr
+
+
+def test_make_takes_numpy_integers_and_refuses_other_numbers():
+    """The Python API: numpy / torch integers are sizes and seeds; floats, bools and out-of-range seeds are
+    CaseErrors (torch raised a RuntimeError for a seed of 2^70)."""
+    from gradops.golden import CaseError
+
+    case = make("hardswish", (np.int64(4), torch.tensor(3)), "float32", seed=np.int64(2))
+    assert case.outputs["out"].shape == (4, 3)
+    for shape, seed in (((4.0, 3), 0), ((True, 3), 0), (5, 0), ((4, 3), 1.5), ((4, 3), 2 ** 70), ((4, 3), -1)):
+        with pytest.raises(CaseError, match=r"--shape|--seed"):
+            make("hardswish", shape, "float32", seed=seed)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import re
 import warnings
 from collections.abc import Iterator
@@ -290,14 +291,16 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
         raise CaseError(f"--dtype {dtype!r}: one of {', '.join(FLOATS)}")
     if third_party not in THIRD_PARTIES:
         raise CaseError(f"--third-party {third_party!r}: one of {', '.join(THIRD_PARTIES)}")
-    dims = parse_shape(shape) if isinstance(shape, str) else tuple(shape)
-    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise CaseError(f"--shape {shape!r}: at least one non-negative size")
+    dims = parse_shape(shape) if isinstance(shape, str) else _integers(shape)
+    if not dims or any(d < 0 for d in dims):
+        raise CaseError(f"--shape {shape!r}: at least one size, each an integer >= 0")
     if math.prod(dims) > MAX_ELEMENTS:
         raise CaseError(f"--shape {'x'.join(map(str, dims))}: {math.prod(dims)} elements; at most 2^31 "
                         f"(CANN's precision standard's largest case)")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+    seeds = _integers((seed,))
+    if not seeds or not 0 <= seeds[0] < SEED_LIMIT:
         raise CaseError(f"--seed {seed!r}: an integer from 0 to 2^63 - 1")
+    seed = seeds[0]
     dev = _device(device)
     _check_memory(op, dims, opts)
     with _memory(dims):
@@ -309,6 +312,20 @@ def make(op: str, shape: str | tuple[int, ...], dtype: str = "float32", seed: in
 MAX_ELEMENTS = 1 << 31
 #: Seeds beyond this overflow torch's generator (gradops.cli_support.SEED_LIMIT, the CLI's bound).
 SEED_LIMIT = 1 << 63
+
+
+def _integers(values: object) -> tuple[int, ...]:
+    """``values`` as Python ints (numpy and torch integers included); () when one is not an integer (a float, a
+    bool, a string) or ``values`` is not a sequence."""
+    out = []
+    try:
+        for v in values:
+            if isinstance(v, bool):
+                return ()
+            out.append(operator.index(v))
+    except TypeError:
+        return ()
+    return tuple(out)
 
 
 def _device(device: str) -> torch.device:
