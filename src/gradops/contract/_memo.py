@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import torch
 
+from .._compat import is_compiling
+
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (type(None), bool, int, float, str)
 _STRIDED = torch.strided
@@ -52,7 +54,7 @@ def remembered(check: Callable[..., T]) -> Callable[..., T]:
 
     @wraps(check)
     def call(*args: object) -> T:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             # Traced by dynamo: the table is mutable state, and a guard on it recompiles the model once it grows.
             return check(*args)
         key = key_of(args)

@@ -19,6 +19,7 @@ import torch
 from numba.np.ufunc import parallel as _parallel
 from torch import Tensor
 
+from .._compat import HAS_OPENMP
 from . import _pool
 
 #: Most row blocks of a cross-row reduction (dgamma, dbeta, LayerNormGradBeta). The count is a function of the
@@ -123,7 +124,7 @@ def _after_fork_in_child() -> None:
     if getattr(_parallel, "_is_initialized", False):
         omp = _parallel.threading_layer() == "omp"
     else:  # numba's pool never started here; with the shared runtime torch's regions may have run in the parent
-        omp = _shares_torch_openmp() and torch._C.has_openmp
+        omp = _shares_torch_openmp() and HAS_OPENMP
     if omp:
         _forked_omp_child = True
 

@@ -28,6 +28,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .._compat import HAS_OPENMP
+
 _HERE = Path(__file__).parent
 #: The extension's sources: the autograd nodes, the direct calls of the public functions, what they share.
 SOURCES = (_HERE / "autograd.cpp", _HERE / "direct.cpp")
@@ -47,7 +49,7 @@ _registered: set[str] = set()
 #: -fopenmp, it links libgomp.so.1, the runtime torch has loaded already, so the nodes' kernels run on ATen's own
 #: thread pool. (Without the flag the region would run on one thread.) A torch with the native backend runs it in
 #: libtorch: no flag.
-_OPENMP = ("-fopenmp",) if torch._C.has_openmp else ()
+_OPENMP = ("-fopenmp",) if HAS_OPENMP else ()
 
 
 def _tag() -> str:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import native
+from .. import _compat, native
 from ._sharding import ensure_registered
 
 try:  # loaded by torch itself; imported here so that the attribute walk below finds it
@@ -47,11 +47,9 @@ OP, BODY, FUNCTION, FUNCTORCH = "op", "body", "function", "functorch"
 
 
 def _resolve(path: str) -> Callable[..., Any] | None:
-    """The function at dotted ``path`` (``torch._C._get_tracing_state``), or None where this torch lacks it."""
-    obj: Any = torch
-    for name in path.split(".")[1:]:
-        obj = getattr(obj, name, None)
-    return obj if callable(obj) else None
+    """The function at dotted ``path`` (``torch._C._get_tracing_state``), or None where this torch lacks it
+    (:func:`gradops._compat.resolve`: every hook is looked up there)."""
+    return _compat.resolve(path)
 
 
 _HOOK_PATHS = (
@@ -65,10 +63,9 @@ _missing = [p for p, fn in zip(_HOOK_PATHS, _hooks) if fn is None]
 (_is_compiling, _dispatch_stack_len, _in_dispatch_mode, _profiling, _function_mode, _functorch_stack,
  _tracing_state, _legacy_batched) = _hooks
 
-try:
-    _DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
-except AttributeError:  # pragma: no cover - the hooks above are then missing too: every call takes the op
-    _DIFFERENTIATING = ()
+_transform_type = _compat.lookup("torch._C._functorch.TransformType")
+#: The functorch levels that differentiate; () where TransformType is not exported (see _differentiates).
+_DIFFERENTIATING = (_transform_type.Grad, _transform_type.Jvp) if _transform_type is not None else ()
 
 #: Why the direct path is off (None while it is on).
 DISABLED: str | None = (f"this torch {torch.__version__} lacks {', '.join(_missing)}" if _missing else
@@ -90,13 +87,15 @@ def eager_path(*args: object) -> str:
     # Dispatch modes: the per-thread stack for user modes (the global flag _in_dispatch_mode reads can be cleared by
     # another thread leaving its mode), the flag for infra modes (fake, functional, proxy) kept beside it.
     # The profiler: the C++ state, which also sees a profiler started without torch.profiler's Python wrapper.
-    if _missing or _is_compiling() or _dispatch_stack_len() or _in_dispatch_mode() or _function_mode():
+    if _missing:
+        return _without_hooks(args)
+    if _is_compiling() or _dispatch_stack_len() or _in_dispatch_mode() or _function_mode():
         return OP
     top = _functorch_stack()
     if top is not None:
         # grad / vjp / jvp need a setup_context-style Function around the op; vmap and functionalize need the op
         # itself (its vmap rule; the functional pass).
-        return FUNCTORCH if top.key() in _DIFFERENTIATING else OP
+        return FUNCTORCH if _differentiates(top) else OP
     if not _enabled or _profiling() or _tracing_state() is not None:
         return OP
     grad = torch.is_grad_enabled()
@@ -111,6 +110,25 @@ def eager_path(*args: object) -> str:
             if grad and a.requires_grad:
                 path = FUNCTION
     return path
+
+
+def _differentiates(top: Any) -> bool:
+    """Whether functorch interpreter ``top`` is a grad / jvp level (by the enum's name where this torch does not
+    export ``TransformType``)."""
+    key = top.key()
+    return key in _DIFFERENTIATING if _DIFFERENTIATING else getattr(key, "name", None) in ("Grad", "Jvp")
+
+
+def _without_hooks(args: tuple) -> str:
+    """:func:`eager_path` on a torch that lacks a hook: the op, except inside torch.func's grad / vjp / jvp, where
+    the op's own autograd cannot run (it has no setup_context) and the FUNCTORCH Function must: found from the
+    interpreter stack, or where that hook is the one missing, from a functorch-wrapped argument."""
+    if _functorch_stack is not None:
+        top = _functorch_stack()
+        return FUNCTORCH if top is not None and _differentiates(top) else OP
+    if _functorch_wrapped is not None and any(isinstance(a, Tensor) and _functorch_wrapped(a) for a in args):
+        return FUNCTORCH  # its Function's generated vmap rule still reaches the op's own under vmap
+    return OP
 
 
 def python_allows_native() -> bool:
@@ -184,7 +202,7 @@ def own(*results: Tensor) -> Any:
 #: one-tensor Function) to unwrap tensors that escaped a functorch transform ("dead wrappers") and to bind
 #: default arguments for setup_context-style Functions; the FUNCTION path's Functions take ctx in forward and no
 #: transform is active there, so only the unwrap matters, and :func:`_apply` looks for such tensors first.
-_c_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+_c_apply = getattr(_compat.lookup("torch._C._FunctionBase"), "__dict__", {}).get("apply")
 _functorch_wrapped = _resolve("torch._C._functorch.is_functorch_wrapped_tensor")
 
 
@@ -239,7 +257,8 @@ class DirectOp:
     def __init__(self, name: str, body: Callable[..., Any]) -> None:
         self.body = body
         self.op = torch.library.custom_op(name, mutates_args=())(body)
-        self.op.register_vmap(_sample_by_sample(self.op))
+        if _compat.can_register_vmap(self.op):  # torch >= 2.5; without it torch.vmap refuses the op
+            self.op.register_vmap(_sample_by_sample(self.op))
         self.function: type[torch.autograd.Function] | None = None
         #: ``native(*args)``: the call on a native autograd node when it is an eager recorded call the node can take
         #: (:func:`native_call`), else None. Set by the op's module.
@@ -386,6 +405,6 @@ class DirectOp:
             return self.functorch.apply(*args)
         if check is not None:
             check(*args)
-        if not torch.compiler.is_compiling():  # dynamo cannot trace the registration (test_compile caught it)
+        if not _compat.is_compiling():  # dynamo cannot trace the registration (test_compile caught it)
             ensure_registered()  # a DTensor takes this path; its sharding rules are registered on first sight
         return self.op(*args)

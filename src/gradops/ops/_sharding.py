@@ -23,13 +23,19 @@ DTensor model whose first gradops call is inside ``torch.compile``, where the re
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._compat import lookup
+
 _registered = False
+#: Why the rules are not registered on this torch (None while they can be): DTensor then refuses gradops' ops, as
+#: it refuses any custom op without a rule.
+UNAVAILABLE: str | None = None
 
 
 def ensure_registered() -> None:
@@ -40,11 +46,20 @@ def ensure_registered() -> None:
 
 def register() -> None:
     """Register every rule with DTensor (idempotent)."""
-    global _registered
+    global _registered, UNAVAILABLE
     if _registered:
         return
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
+    try:  # public since torch 2.5; a torch without it (or without distributed) runs gradops without the rules
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        importlib.import_module("torch.distributed.tensor.experimental")  # for the lookup below
+    except ImportError as err:
+        _registered, UNAVAILABLE = True, f"this torch {torch.__version__} lacks DTensor ({err})"
+        return
+    register_sharding = lookup("torch.distributed.tensor.experimental.register_sharding")
+    if register_sharding is None:
+        _registered, UNAVAILABLE = True, f"this torch {torch.__version__} lacks DTensor's register_sharding"
+        return
 
     R, P = Replicate(), Partial()
     ops = torch.ops.gradops
