@@ -248,3 +248,32 @@ def test_models_times_patched_against_transformers_and_its_experts_backends(tmp_
         assert r["ratio"] == pytest.approx(r["gradops_ms"] / r["transformers_ms"], rel=1e-3)
         best = r[f"{r['best_transformers'].replace(' ', '_')}_ms"]
         assert best == min(v for k, v in r.items() if k.startswith("transformers") and k.endswith("_ms"))
+
+
+def test_gpu_check_flags_are_refused_where_they_do_not_apply(capsys):
+    assert main(["bench", "--per-call", "--dry-run", "--no-save"]) == 2
+    assert "--dry-run applies to the table, --sweep and --models" in capsys.readouterr().err
+    assert main(["bench", "--sizes", "8x8", "--no-save"]) == 2
+    assert "--sizes applies to --sweep only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--sweep", "--sizes", "8x", "--no-save"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be ROWSxCOLS" in err and len(err.strip().splitlines()) == 1
+
+
+def test_records_are_written_case_by_case(tmp_path, monkeypatch):
+    """A run stopped part-way (scripts/gpu_check.sh's time limit) keeps the cases it finished."""
+    from gradops.bench import cases
+
+    def broken(*args):
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setitem(cases.BUILDERS, "hardswish_backward", broken)
+    with pytest.raises(RuntimeError, match="stopped here"):
+        main(["bench", "--device", "cpu", "--quick", "--dtype", "fp32", "--op", "rms_norm_grad", "--op",
+              "hardswish_backward", "--results", str(tmp_path)])
+    (path,) = tmp_path.glob("cpu-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["op"] for r in rows} == {"rms_norm_grad"} and all(r["median_ms"] > 0 for r in rows)
+    assert all("commit" in r and "driver" in r for r in rows)

@@ -6,6 +6,9 @@ same dtype). Error = max|out - ref| / max|ref| per output, worst output reported
 error is within one ulp of the output dtype plus float32 accumulation error (``8·sqrt(n)·u32`` for a length-n
 reduction), or no larger than PyTorch's own.
 
+``--results DIR`` also appends every row as a JSON line to ``DIR/check-<device>-<date>.jsonl``, with the device,
+versions and commit (:mod:`gradops.bench.provenance`); a dry run's rows (``GRADOPS_DRY_RUN=1``) say so.
+
 Exit status: 0 when every run passes, 1 when one fails, 2 when nothing could run (the one line on stderr says why:
 no CUDA device, a backend that cannot run here) - a check of nothing is not a pass.
 """
@@ -13,6 +16,9 @@ no CUDA device, a backend that cannot run here) - a check of nothing is not a pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import math
 import os
 import sys
@@ -20,12 +26,22 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import backend, reference
-from .cli_support import DTYPE_HELP, DTYPE_METAVAR, CommandError, dtype_name, int_at_least, seed_value, short_dtype
+from .cli_support import (
+    DTYPE_HELP,
+    DTYPE_METAVAR,
+    CommandError,
+    dtype_name,
+    int_at_least,
+    output_dir,
+    seed_value,
+    short_dtype,
+)
 from .env import devices
 from .registry import NAMES
 
@@ -211,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cols", type=int_at_least(1), default=1000,
                         help="columns (N) of the random inputs (default 1000)")
     parser.add_argument("--seed", type=seed_value, default=None, help="random seed (default: fresh each run)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also append the rows as JSON lines to DIR/check-<device>-<date>.jsonl, with device, "
+                             "versions and commit")
 
 
 def plan_runs(args: argparse.Namespace) -> tuple[list[tuple[str, torch.dtype, torch.device, str]], list[str]]:
@@ -241,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     plan, skipped = plan_runs(args)
     if not plan:
         raise CommandError("nothing to check: " + "; ".join(skipped or ["no device and backend can run here"]))
+    if args.results is not None:
+        output_dir(args.results, "--results")  # refused before the runs, not after
     for why in skipped:  # what was asked for and is not in the table: said, not silently left out
         print(f"gradops check: skipped {why}", file=sys.stderr)
     print(f"gradops check: {len(plan)} runs, inputs {args.rows}x{args.cols}, seed {seed}", file=sys.stderr)
@@ -264,4 +285,31 @@ def run(args: argparse.Namespace) -> int:
               f"{'pass' if r.ok else 'FAIL'}")
     failed = sum(not r.ok for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")
+    if args.results is not None:
+        for path in write_results(rows, args.results, {"seed": seed, "rows": args.rows, "cols": args.cols}):
+            print(f"wrote {path}")
     return 1 if failed else 0
+
+
+def write_results(rows: list[Row], results: Path, inputs: dict) -> list[Path]:
+    """Append ``rows`` as JSON lines to ``results/check-<device>-<date>.jsonl``, one file per device, each line with
+    the device, versions and commit (:func:`gradops.bench.provenance.environment`) and ``inputs`` (seed, sizes).
+    Infinite errors (a shape or an integer result that differs) are written as null with ``"mismatch": true``."""
+    from .bench.provenance import environment
+
+    written = []
+    for device in dict.fromkeys(r.device for r in rows):
+        env = environment(torch.device(device))
+        path = results / f"check-{torch.device(device).type}-{datetime.date.today().isoformat()}.jsonl"
+        with path.open("a", encoding="utf-8") as f:
+            for r in rows:
+                if r.device != device:
+                    continue
+                rec = {"bench": "check", **dataclasses.asdict(r), **inputs, **env}
+                if not math.isfinite(r.error):
+                    rec["error"], rec["mismatch"] = None, True
+                if r.torch_error is not None and not math.isfinite(r.torch_error):
+                    rec["torch_error"] = None
+                f.write(json.dumps(rec) + "\n")
+        written.append(path)
+    return written

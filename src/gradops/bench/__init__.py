@@ -12,6 +12,13 @@ what one call of each public function costs at 8 x 8 fp32 (direct path, through 
 :mod:`gradops.bench.per_call`). ``--compile-cost`` measures the first-call cost of the compiled CPU kernels in
 fresh processes, with an empty numba cache (cold) and with the cache that run filled (cached).
 
+``--dry-run`` runs every provider once and records no times (each record says ``dry_run``): the whole flow at toy
+sizes, under ``TRITON_INTERPRET=1`` too, for ``scripts/gpu_check.sh --dry-run``. ``--shapes gpu-check`` is the
+reduced CUDA shape set that script times; ``--sweep --sizes 8x8,64x128`` picks the sweep's sizes and
+``--processes 0`` measures every sweep case in this process. Records are appended case by case, so a run stopped
+by a time limit keeps what it finished. Every record carries the device, driver, versions, commit and date
+(:mod:`gradops.bench.provenance`).
+
 Before any timing it refuses, in one line (exit status 2), what would waste the run: a ``--results`` folder it
 cannot write (the results are written at the end), ``--device cuda`` without one, a ``--dtype`` the mode does not
 time. The header gives the 1-minute load average, and one line warns when other work is using the cores: timings
@@ -23,9 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.metadata
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -41,6 +46,7 @@ from ..cli_support import (
     output_dir,
     positive_float,
 )
+from . import provenance
 from .cases import OPS, SHAPES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cuda)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, few rounds, no torch.compile: a smoke run (well under a minute on CPU)")
+    parser.add_argument("--shapes", choices=tuple(SHAPES), default=None,
+                        help="the shape set (default: the device's; quick with --quick; gpu-check: one or two LLM "
+                             "shapes per op, what scripts/gpu_check.sh times)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every provider once at the dry-run sizes and record no times (records say "
+                             "dry_run): the whole flow, also under TRITON_INTERPRET=1, with no timing claim "
+                             "(scripts/gpu_check.sh --dry-run); with the table, --sweep and --models")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
     parser.add_argument("--reps", type=int_at_least(1), default=None,
                         help="timed rounds per case (default 15, quick 3)")
@@ -85,48 +98,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "allocations up to 32 MiB from the heap, so that neither side's step time depends on "
                              "when free() last gave memory back (page faults that swing a 512 x 256 step by up to "
                              "2x); glibc keeps glibc's dynamic defaults")
-    parser.add_argument("--processes", type=int_at_least(1), default=None,
+    parser.add_argument("--processes", type=int_at_least(0), default=None,
                         help="with --sweep: fresh worker processes per case (default 3); the table reports the "
-                             "median of their ratios and the range")
+                             "median of their ratios and the range; 0 measures every case in this process")
+    parser.add_argument("--sizes", type=_sizes, default=None, metavar="ROWSxCOLS[,...]",
+                        help="with --sweep: these activation sizes instead of 8x8 ... 4096x1024")
 
 
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        model = ""
-    return f"{model or platform.processor() or 'cpu'} ({os.cpu_count()} cpus)"
-
-
-def environment(device: torch.device) -> dict:
-    """What every record carries, so a number says where and with which versions it was taken."""
-    import gradops
-    from gradops.backend import select
-
-    env = {
-        "device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-        "triton": _version("triton"), "numba": _version("numba"), "liger_kernel": _version("liger-kernel"),
-        "gradops": gradops.__version__, "gradops_backend": select("rms_norm_grad", device)[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "threads": torch.get_num_threads(),
-    }
-    if device.type == "cpu":
-        from gradops import native
-
-        env["native"] = native.status()  # whether gradops.nn's LayerNorm / Hardswish recorded C++ nodes
-    if device.type == "cpu" and hasattr(os, "getloadavg"):
-        env["loadavg_1m"] = round(os.getloadavg()[0], 2)  # a shared machine shows up here
-    return env
+def environment(device: torch.device, dry: bool = False) -> dict:
+    """What every record carries (:func:`gradops.bench.provenance.environment`)."""
+    return provenance.environment(device, dry)
 
 
 def _release_pool() -> None:
@@ -151,6 +132,17 @@ def load_note() -> tuple[str, str | None]:
                   "granularity); rerun on an idle machine")
 
 
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``--sizes``: ``8x8,64x128`` -> ((8, 8), (64, 128)); each side an integer >= 1."""
+    out = []
+    for part in text.split(","):
+        rows, sep, cols = part.strip().lower().partition("x")
+        if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+            raise argparse.ArgumentTypeError(f"must be ROWSxCOLS[,ROWSxCOLS...] with integers >= 1, got {text!r}")
+        out.append((int(rows), int(cols)))
+    return tuple(out)
+
+
 def _mode(args: argparse.Namespace) -> str:
     """Which of the exclusive modes runs (the first flag given, in this order), ``table`` for the main one."""
     return next((m for m in ("compile_cost", "per_call", "models", "sweep") if getattr(args, m)), "table")
@@ -163,8 +155,10 @@ def _check_request(args: argparse.Namespace) -> None:
         CommandError: one line naming the argument.
     """
     mode = _mode(args)
-    if mode == "table" and os.environ.get("TRITON_INTERPRET") == "1":
-        raise CommandError("TRITON_INTERPRET=1 would time the interpreter; unset it")
+    if mode == "table" and os.environ.get("TRITON_INTERPRET") == "1" and not args.dry_run:
+        raise CommandError("TRITON_INTERPRET=1 would time the interpreter; unset it (or --dry-run: no times)")
+    if args.dry_run and mode in ("compile_cost", "per_call"):
+        raise CommandError(f"--dry-run applies to the table, --sweep and --models, not --{mode.replace('_', '-')}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda, but torch sees no CUDA device (use --device cpu)")
     from ..backend import decide
@@ -177,7 +171,7 @@ def _check_request(args: argparse.Namespace) -> None:
             raise CommandError(f"--dtype {', '.join(d for d in args.dtype if d not in timed)}: --{mode} times "
                                f"{' and '.join(timed)} only")
     for flag, given in (("--sweep-compile", args.sweep_compile), ("--malloc", args.malloc is not None),
-                        ("--processes", args.processes is not None)):
+                        ("--processes", args.processes is not None), ("--sizes", args.sizes is not None)):
         if given and mode != "sweep":
             raise CommandError(f"{flag} applies to --sweep only")
     if mode != "compile_cost" and not args.no_save:  # --compile-cost writes nothing
@@ -195,39 +189,39 @@ def run(args: argparse.Namespace) -> int:
     if args.per_call:
         from .per_call import measure as per_call
         return per_call(None if args.no_save else args.results)
+    dry = args.dry_run
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    results = None if args.no_save else args.results
     if args.models:
         from . import models
 
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtypes = list(dict.fromkeys(args.dtype or models.DEFAULT_DTYPES[device.type]))
-        return models.run(device, dtypes, args.reps or 15, args.budget, None if args.no_save else args.results,
-                          environment(device))
+        return models.run(device, dtypes, args.reps or 15, args.budget, results, environment(device, dry), dry)
     if args.sweep:
         from . import sweep
 
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtypes = args.dtype or ["fp32", "bf16"]
         # the workers set the allocator for themselves (this process times nothing) and report what they did
         malloc = (args.malloc or "steady") if device.type == "cpu" else None
-        return sweep.run(device, list(dict.fromkeys(dtypes)), args.sweep_compile, min(args.budget, 2.0),
-                         None if args.no_save else args.results, environment(device),
-                         args.processes or sweep.PROCESSES, malloc)
+        processes = sweep.PROCESSES if args.processes is None else args.processes
+        return sweep.run(device, list(dict.fromkeys(dtypes)), args.sweep_compile, min(args.budget, 2.0), results,
+                         environment(device, dry), processes, malloc, sizes=args.sizes or sweep.SIZES, dry=dry)
     from . import report
     from .cases import build
-    from .timing import time_cpu, time_cuda
+    from .timing import once, time_cpu, time_cuda
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtypes = [DTYPES[d] for d in dict.fromkeys(args.dtype or (["fp32", "bf16"] if device.type == "cpu" else
                                                               ["bf16", "fp16", "fp32"]))]
-    shapes = SHAPES["quick" if args.quick else device.type]
+    shapes = SHAPES[args.shapes or ("dry" if dry else "quick" if args.quick else device.type)]
     peers = set() if args.quick or args.no_compile else {"compile"}
     reps = args.reps or (3 if args.quick else 15)
-    timer = time_cuda if device.type == "cuda" else time_cpu
-    env = environment(device)
+    timer = once if dry else time_cuda if device.type == "cuda" else time_cpu
+    env = environment(device, dry)
     rows: list[dict] = []
-    print(f"gradops bench on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"triton {env['triton']}, backend {env['gradops_backend']}, {env['threads']} threads"
-          + (f", {load}" if load else ""), flush=True)
+    stem = f"{device.type}-{datetime.date.today().isoformat()}"
+    print(f"gradops bench{' --dry-run (no times)' if dry else ''} on {env['device_name']}: torch {env['torch']}, "
+          f"numba {env['numba']}, triton {env['triton']}, liger-kernel {env['liger_kernel']}, backend "
+          f"{env['gradops_backend']}, {env['threads']} threads" + (f", {load}" if load else ""), flush=True)
     for op in args.op or OPS:
         for shape in shapes[op]:
             for dtype in dtypes:
@@ -237,12 +231,12 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  ({op} {name}: {why})", file=sys.stderr)
                 new = report.records(case, timings, env)
                 print(report.table(new).split("\n", 2)[2] if rows else report.table(new), flush=True)
+                if results is not None:  # case by case: a run stopped by a time limit keeps what it measured
+                    report.write_jsonl(new, results / f"{stem}.jsonl")
                 rows.extend(new)
                 del case, timings
                 _release_pool()
-    if not args.no_save and rows:
-        stem = f"{device.type}-{datetime.date.today().isoformat()}"
-        report.write_jsonl(rows, args.results / f"{stem}.jsonl")
-        drawn = report.plot(rows, args.results / f"{stem}.png")
-        print(f"\nwrote {args.results / (stem + '.jsonl')}" + (f" and {stem}.png" if drawn else ""))
+    if results is not None and rows:
+        drawn = report.plot(rows, results / f"{stem}.png")
+        print(f"\nwrote {results / (stem + '.jsonl')}" + (f" and {stem}.png" if drawn else ""))
     return 0

@@ -43,7 +43,10 @@ aten = torch.ops.aten
 #: The CPU output pool's switch (gradops.cpu._pool.ENV; spelled here so the bench imports without numba).
 POOL_ENV = "GRADOPS_CPU_POOL_MB"
 
-#: Shapes per op: issue 6 for the CPU, issue 3 (LLM shapes) for CUDA, and a tiny one for ``--quick``.
+#: Shapes per op: issue 6 for the CPU, issue 3 (LLM shapes) for CUDA, a tiny one for ``--quick``, one LLM shape per
+#: op for ``gpu-check`` (scripts/gpu_check.sh: 7 cases per dtype, each with a torch.compile of its own, fit its
+#: time box where the full CUDA set's 26 would not), and toy ones for ``--dry-run`` (the Triton interpreter runs
+#: them in well under a second each).
 SHAPES = {
     "cpu": {
         "rms_norm_grad": [{"M": 8192, "N": 4096}],
@@ -75,6 +78,24 @@ SHAPES = {
         "embedding_dense_backward": [{"T": 512, "D": 128, "V": 2000}],
         "moe_token_permute_grad": [{"T": 256, "K": 4, "H": 256}],
         "moe_token_unpermute_grad": [{"T": 256, "K": 4, "H": 256}],
+    },
+    "gpu-check": {
+        "rms_norm_grad": [{"M": 16384, "N": 4096}],
+        "layer_norm_backward": [{"M": 16384, "N": 4096}],
+        "layer_norm_grad+beta": [{"M": 16384, "N": 4096}],
+        "hardswish_backward": [{"n": 16384 * 4096}],
+        "embedding_dense_backward": [{"T": 16384, "D": 4096, "V": 128256}],
+        "moe_token_permute_grad": [{"T": 8192, "K": 8, "H": 4096}],
+        "moe_token_unpermute_grad": [{"T": 8192, "K": 8, "H": 4096}],
+    },
+    "dry": {
+        "rms_norm_grad": [{"M": 8, "N": 64}],
+        "layer_norm_backward": [{"M": 8, "N": 64}],
+        "layer_norm_grad+beta": [{"M": 8, "N": 64}],
+        "hardswish_backward": [{"n": 512}],
+        "embedding_dense_backward": [{"T": 16, "D": 32, "V": 50}],
+        "moe_token_permute_grad": [{"T": 8, "K": 2, "H": 32}],
+        "moe_token_unpermute_grad": [{"T": 8, "K": 2, "H": 32}],
     },
 }
 OPS = BENCH  # every case, in the registry's order (tests/test_registry.py: each has shapes and a builder)
@@ -126,7 +147,9 @@ def _rms_norm_grad(shape, dtype, device, peers) -> Case:
         case.providers["compile"] = lambda: fn(dy, x, rstd, gamma)
     liger = _liger("liger_kernel.ops.rms_norm", "LigerRMSNormFunction") if device.type == "cuda" else None
     if liger is not None:
-        ly = liger.apply(xr, gr, 1e-6)
+        # offset 0, Llama's casting, and in_place=False: Liger's default writes dx into dy, the input every other
+        # provider of the case reads
+        ly = liger.apply(xr, gr, 1e-6, 0.0, "llama", False)
         case.providers["liger"] = lambda: torch.autograd.grad(ly, (xr, gr), dy, retain_graph=True)
     return case
 

@@ -35,6 +35,13 @@ MODELS = {
 }
 #: (batch, sequence) of the CPU and GPU steps.
 TOKENS = {"cpu": (2, 256), "cuda": (8, 1024)}
+_DRY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+#: ``--dry-run``: the same model classes at toy sizes, one step each on (batch, sequence) DRY_TOKENS, nothing timed.
+DRY_MODELS = {"llama": (MODELS["llama"][0], MODELS["llama"][1], _DRY),
+              "qwen3_moe": (MODELS["qwen3_moe"][0], MODELS["qwen3_moe"][1],
+                            {**_DRY, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2})}
+DRY_TOKENS = (1, 16)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: dtypes timed unless --dtype says otherwise. Not bf16 on the CPU: torch's bf16 matmuls there run ~20x slower
 #: than fp32 without AMX (a Qwen3-MoE experts block: 1.1 s vs 45 ms at 512 tokens), so the row would time them.
@@ -45,14 +52,16 @@ OTHER_EXPERTS = ("batched_mm", "eager")
 SLOW = 5
 
 
-def build(name: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.nn.Module]:
-    """provider -> model, all from one set of random weights."""
+def build(name: str, dtype: torch.dtype, device: torch.device, table: dict | None = None
+          ) -> dict[str, torch.nn.Module]:
+    """provider -> model, all from one set of random weights (``table``: the model configs, default
+    :data:`MODELS`)."""
     import transformers
 
     import gradops
     from gradops.transformers import is_experts
 
-    config_cls, model_cls, kwargs = MODELS[name]
+    config_cls, model_cls, kwargs = (table or MODELS)[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**kwargs, max_position_embeddings=4096)
     base = getattr(transformers, model_cls)(config).to(device, dtype)
@@ -101,8 +110,9 @@ def step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
 
 
 def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, results: Path | None,
-        env: dict) -> int:
-    """Print the whole-model table; write JSONL under ``results`` unless None."""
+        env: dict, dry: bool = False) -> int:
+    """Print the whole-model table; write JSONL under ``results`` unless None. ``dry``: :data:`DRY_MODELS`, each
+    provider's step once, nothing timed (``--dry-run``)."""
     from .timing import time_cpu, time_cuda
 
     try:
@@ -110,6 +120,8 @@ def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, res
     except ImportError:
         print("gradops bench --models: needs transformers (pip install 'transformers>=5.23')")
         return 2
+    if dry:
+        return _dry(device, dtypes, results, env, transformers.__version__)
     timer = time_cuda if device.type == "cuda" else time_cpu
     batch, seq = TOKENS[device.type]
     head = (f"{'model':<10} {'dtype':<5} {'tokens':>6} {'gradops ms':>10} {'transformers ms':>15} {'ratio':>6} "
@@ -156,5 +168,41 @@ def run(device: torch.device, dtypes: list[str], reps: int, budget_s: float, res
         with path.open("a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+        print(f"\nwrote {path}")
+    return 0
+
+
+def _dry(device: torch.device, dtypes: list[str], results: Path | None, env: dict, version: str) -> int:
+    """``--models --dry-run``: every provider's training step once on :data:`DRY_MODELS`; records say what ran."""
+    batch, seq = DRY_TOKENS
+    print(f"gradops bench --models --dry-run (no times) on {env['device_name']}: torch {env['torch']}, "
+          f"transformers {version}; toy configs, one step each", flush=True)
+    rows = []
+    for name, (_, _, config) in DRY_MODELS.items():
+        for dname in dtypes:
+            models = build(name, DTYPES[dname], device, DRY_MODELS)
+            ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+            failures: dict[str, str] = {}
+            ran = []
+            for k, m in models.items():
+                try:
+                    step(m, ids.to(device))()
+                    ran.append(k)
+                except Exception as err:
+                    if k == "gradops":
+                        raise
+                    failures[k] = f"{type(err).__name__}: {err}"[:300]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            print(f"{name:<10} {dname:<5} ran {', '.join(ran)} once (dry run: no times)"
+                  + "".join(f"\n  ({name} {k}: {why})" for k, why in failures.items()), flush=True)
+            rows.append({**env, "bench": "models", "model": name, "dtype": dname, "batch": batch, "seq": seq,
+                         "transformers": version, "ran": ran, **({"failed": failures} if failures else {})})
+            del models
+    if results is not None and rows:
+        path = results / f"models-{device.type}-{datetime.date.today().isoformat()}.jsonl"
+        results.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"\nwrote {path}")
     return 0

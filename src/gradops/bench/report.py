@@ -18,8 +18,14 @@ def shape_text(shape: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shape.items())
 
 
-def records(case, timings: dict[str, Timing], env: dict) -> list[dict]:
-    """One record per provider: times, GB/s on the op's byte floor, % of copy_, speedup of gradops vs peers."""
+def records(case, timings: dict[str, Timing | None], env: dict) -> list[dict]:
+    """One record per provider: times, GB/s on the op's byte floor, % of copy_, speedup of gradops vs peers. A dry
+    run's providers (timing None: run once, not timed) get ``"ran": true`` and no time, rate or speedup."""
+    if any(t is None for t in timings.values()):
+        return [{"op": case.op, "shape": case.shape, "dtype": DTYPE_NAMES.get(str(case.dtype), str(case.dtype)),
+                 "provider": name, "ran": True, "bytes": case.nbytes, **({"note": case.notes[name]}
+                                                                          if name in case.notes else {}), **env}
+                for name in timings]
     copy_bytes = 2 * case.copy_numel * _itemsize(case)  # copy_ reads and writes the op's largest tensor
     copy = timings.get("copy_")
     copy_gbps = copy_bytes / (copy.median_ms * 1e-3) / 1e9 if copy else None
@@ -52,6 +58,10 @@ def table(rows: Iterable[dict]) -> str:
             f"{'GB/s':>7} {'%copy':>6}  speedup vs peers")
     lines = [head, "-" * len(head)]
     for r in rows:
+        if "median_ms" not in r:  # a dry run: ran once, not timed
+            lines.append(f"{r['op']:<26} {shape_text(r['shape']):<22} {r['dtype']:<5} {r['provider']:<13} "
+                         f"{'ran once (dry run: no times)':>44}")
+            continue
         spread = f"{r['p20_ms']:.2f}-{r['p80_ms']:.2f}"
         pct = f"{r['pct_copy']:.0f}%" if r.get("pct_copy") is not None else "-"
         speed = "  ".join(f"{v:.2f}x {k}" for k, v in r.get("speedup", {}).items())
@@ -73,6 +83,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if any("gbps" not in r for r in rows):
+        return dry_plot(rows, path, "gradops bench")
     cases: dict[str, dict[str, float]] = {}
     for r in rows:
         label = f"{r['op']}\n{shape_text(r['shape'])} {r['dtype']}"
@@ -95,5 +107,27 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def dry_plot(rows: list[dict], path: Path, what: str) -> bool:
+    """A dry run's figure: what ran, and in large letters that nothing was timed (a file where the real run writes
+    its plot, so the flow's files are the same). False without matplotlib."""
+    try:
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(dict.fromkeys(str(r.get("op") or r.get("module") or r.get("model")) for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.axis("off")
+    ax.text(0.5, 0.8, f"{what}: DRY RUN - nothing timed", ha="center", fontsize=16, weight="bold")
+    first = rows[0] if rows else {}
+    ax.text(0.5, 0.65, f"{first.get('device_name', '')}, torch {first.get('torch')}, commit {first.get('commit')}",
+            ha="center", fontsize=9)
+    ax.text(0.5, 0.05, "ran once each:\n" + "\n".join(names), ha="center", va="bottom", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True

@@ -45,6 +45,8 @@ MODULES = ("RMSNorm", "LayerNorm", "Hardswish", "Embedding")
 OPS = BENCH
 #: Embedding: rows are tokens, columns the embedding width; the table has this many rows.
 VOCAB = 32000
+#: ``--dry-run``'s table: the interpreter's embedding backward at 32000 rows takes a minute.
+DRY_VOCAB = 64
 #: The MoE functions: rows are tokens, each routed to this many experts (Mixtral's top-2), columns the hidden size.
 TOP_K = 2
 #: Worker processes per case (see :func:`run`); ``--processes`` changes it.
@@ -203,6 +205,11 @@ def measure(spec: dict) -> dict:
     malloc = {"steady": steady_malloc, "glibc": lambda: "glibc defaults"}.get(spec["malloc"], lambda: None)()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cases = (_op_cases if "op" in spec else _module_cases)(spec, device)
+    if spec.get("dry_run"):  # each side's step once, nothing timed
+        for fn in cases.values():
+            fn()
+        sync()
+        return {"malloc": malloc, "rounds": 0, "ran": list(cases)}
     means = _rounds(cases, spec["budget"], sync)
     out = {"malloc": malloc, "rounds": len(means["gradops"]), "ratio": _paired(means["gradops"], means["torch"])}
     for side, values in means.items():
@@ -223,21 +230,28 @@ def _worker(spec: dict) -> dict:
 
 
 def _case(spec: dict, processes: int, env: dict) -> tuple[dict, str]:
-    """One case in ``processes`` workers: its JSONL record and its table line (after the name)."""
-    got = [_worker(spec) for _ in range(processes)]
+    """One case in ``processes`` workers (0: in this process): its JSONL record and its table line (after the
+    name)."""
+    got = [_worker(spec) for _ in range(processes)] if processes else [measure(spec)]
+    kind = "module" if "module" in spec else "op"
+    size = f"{spec['rows']}x{spec['cols']}"
+    if spec.get("dry_run"):
+        rec = {**env, "bench": "sweep", kind: spec[kind], "rows": spec["rows"], "cols": spec["cols"],
+               "dtype": spec["dtype"], "ran": got[0]["ran"], "processes": processes}
+        return rec, f"{size:>11} {spec['dtype']:<5} ran {', '.join(got[0]['ran'])} once (dry run: no times)"
     ratios = [w["ratio"] for w in got]
     ratio = statistics.median(ratios)
     gradops_us = statistics.median(w["gradops_us"] for w in got)
     torch_us = statistics.median(w["torch_us"] for w in got)
-    size = f"{spec['rows']}x{spec['cols']}"
     line = (f"{size:>11} {spec['dtype']:<5} {gradops_us:>11.1f} {torch_us:>10.1f} {ratio:>6.2f} "
             f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>11}")
-    kind = "module" if "module" in spec else "op"
     rec = {**env, "bench": "sweep", kind: spec[kind], "rows": spec["rows"], "cols": spec["cols"],
            "dtype": spec["dtype"], "gradops_us": round(gradops_us, 2), "torch_us": round(torch_us, 2),
            "ratio": float(f"{ratio:.4g}"),  # significant digits: a ratio of 0.04 keeps 4
            "ratios": [float(f"{r:.4g}") for r in ratios], "processes": processes,
            "rounds": [w["rounds"] for w in got], "estimator": "median over processes of the median paired round ratio"}
+    if not processes:
+        rec["estimator"] = "median paired round ratio, in the parent process"
     if kind == "op":
         from .cases import EAGER
 
@@ -255,8 +269,10 @@ def _case(spec: dict, processes: int, env: dict) -> tuple[dict, str]:
 
 
 def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: float, results: Path | None,
-        env: dict, processes: int = PROCESSES, malloc: str | None = "steady") -> int:
-    """Print the sweep table; write JSONL (and PNG) under ``results`` unless None.
+        env: dict, processes: int = PROCESSES, malloc: str | None = "steady",
+        sizes: tuple[tuple[int, int], ...] | None = None, dry: bool = False) -> int:
+    """Print the sweep table; write JSONL (and PNG) under ``results`` unless None. ``sizes``: (rows, columns) of
+    the activations (default :data:`SIZES`); ``dry``: each case's sides run once, nothing timed (``--dry-run``).
 
     Every case is timed in ``processes`` fresh worker processes, one after another, and reported by the median
     of their paired ratios (with the lowest and highest). Why not all cases in one process, as before: what ran
@@ -268,10 +284,13 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
     ten processes; a shared machine's state moves within minutes too). pyperf spawns worker processes for the same
     reason."""
     rows: list[dict] = []
-    print(f"gradops bench --sweep on {env['device_name']}: torch {env['torch']}, numba {env['numba']}, "
-          f"backend {env['gradops_backend']}; each case in {processes} fresh "
-          f"process{'es' if processes > 1 else ''}: median round, median paired ratio (range: per process)",
-          flush=True)
+    sizes = sizes or SIZES
+    stem = f"sweep-{device.type}-{datetime.date.today().isoformat()}"
+    where = (f"each case in {processes} fresh process{'es' if processes > 1 else ''}" if processes else
+             "every case in this process")
+    print(f"gradops bench --sweep{' --dry-run (no times)' if dry else ''} on {env['device_name']}: torch "
+          f"{env['torch']}, numba {env['numba']}, backend {env['gradops_backend']}; {where}: median round, median "
+          "paired ratio (range: per process)", flush=True)
     parts = (("module", MODULES, 10, "modules, forward + backward per step, against torch.nn"),
              ("op", OPS, 24, "backward functions against their eager twin (gradops.bench.cases.EAGER)"))
     for kind, names, width, title in parts:
@@ -282,18 +301,19 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
         print(f"\n{title}\n{head}\n{'-' * len(head)}", flush=True)
         for name in names:
             for dname in dtypes:
-                for rows_n, cols in SIZES:
+                for rows_n, cols in sizes:
                     spec = {kind: name, "rows": rows_n, "cols": cols, "dtype": dname, "device": str(device),
-                            "compile": compile_twin, "budget": budget_s, "vocab": VOCAB, "malloc": malloc}
+                            "compile": compile_twin, "budget": budget_s, "vocab": DRY_VOCAB if dry else VOCAB,
+                            "malloc": malloc,
+                            **({"dry_run": True} if dry else {})}
                     rec, line = _case(spec, processes, env)
                     print(f"{name:<{width}} {line}", flush=True)
                     rows.append(rec)
+                    if results is not None:  # case by case: a run stopped by a time limit keeps what it measured
+                        results.mkdir(parents=True, exist_ok=True)
+                        with (results / f"{stem}.jsonl").open("a") as f:
+                            f.write(json.dumps(rec) + "\n")
     if results is not None and rows:
-        stem = f"sweep-{device.type}-{datetime.date.today().isoformat()}"
-        results.mkdir(parents=True, exist_ok=True)
-        with (results / f"{stem}.jsonl").open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
         drawn = plot(rows, results / f"{stem}.png")
         print(f"\nwrote {results / (stem + '.jsonl')}" + (f" and {stem}.png" if drawn else ""))
     return 0
@@ -301,6 +321,10 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
 
 def plot(rows: list[dict], path: Path) -> bool:
     """gradops / torch against elements per module and dtype (log x); False without matplotlib."""
+    if any("ratio" not in r for r in rows):
+        from .report import dry_plot
+
+        return dry_plot(rows, path, "gradops bench --sweep")
     try:
         os.environ.setdefault("MPLBACKEND", "Agg")
         import matplotlib.pyplot as plt

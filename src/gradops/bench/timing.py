@@ -81,6 +81,17 @@ def time_cpu(fns: dict[str, Callable[[], object]], reps: int, budget_s: float, w
     return {name: summarize(s) for name, s in samples.items()}
 
 
+def once(fns: dict[str, Callable[[], object]], reps: int, budget_s: float,
+         failures: dict[str, str] | None = None) -> dict[str, None]:
+    """A dry run's timer: each provider runs once (a peer that fails is dropped into ``failures``, gradops failing
+    raises), and nothing is timed: provider -> None. ``reps`` and ``budget_s`` are the timers' signature only."""
+    del reps, budget_s
+    ran = warm_up(fns, 1, {} if failures is None else failures)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # an asynchronous failure belongs to this run
+    return dict.fromkeys(ran)
+
+
 def time_cuda(fns: dict[str, Callable[[], object]], reps: int, budget_s: float, warmup: int = 2,
               failures: dict[str, str] | None = None) -> dict[str, Timing]:
     """``triton.testing.do_bench`` (L2 flushed between calls) when Triton is installed, else CUDA events."""
