@@ -38,12 +38,14 @@ PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 [ -n "$PYTHON" ] || { echo "scripts/gpu_check.sh: error: no python on PATH (set PYTHON)" >&2; exit 2; }
 cd "$ROOT"
 
-# Worst case (every part at its limit): 20 + 110 + 50 + 130 + 70 + 70 + 20 = 470 s on a GPU, 300 s dry. The dry
-# run's parts take well under their limits on 2 idle cores.
+# Worst case (every part at its limit): 15 + 100 + 75 + 120 + 70 + 60 + 15 = 455 s on a GPU, 300 s dry. The dry
+# run's parts take a seventh to a third of their limits on 2 idle cores (8-13 s each). The GPU limits are
+# estimates until a first run: check's 78 runs and the GPU tier pay Triton's first compile of each kernel and dtype
+# (the cache is shared between the parts); bench pays 14 torch.compile builds.
 if [ "$DRY" = 1 ]; then
   limits=(20 40 50 70 55 55 10)
 else
-  limits=(20 110 50 130 70 70 20)
+  limits=(15 100 75 120 70 60 15)
 fi
 L_ENV=${GPU_CHECK_LIMIT_ENV:-${limits[0]}}
 L_GPU_TIER=${GPU_CHECK_LIMIT_GPU_TIER:-${limits[1]}}
@@ -57,9 +59,12 @@ L_SUMMARY=${GPU_CHECK_LIMIT_SUMMARY:-${limits[6]}}
 WHEELS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_wheels.XXXXXX")"
 trap 'rm -rf "$WHEELS"' EXIT
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+has() {  # has MODULE: whether python finds MODULE (found, not imported: transformers takes seconds to import)
+  "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" >/dev/null 2>&1
+}
 vendor() {  # vendor MODULE WHEEL-GLOB...: unpack the wheels unless MODULE imports already
   local module="$1"; shift
-  "$PYTHON" -c "import $module" >/dev/null 2>&1 && return 0
+  has "$module" && return 0
   local wheel
   for wheel in "$@"; do
     for w in $ROOT/third_party/wheels/$wheel; do
@@ -101,7 +106,7 @@ skip() {  # skip NAME REASON
 part env "$L_ENV" "$PYTHON" -m gradops.bench.gpu_check env "$OUT" $([ "$DRY" = 1 ] && echo --dry-run)
 
 # 1. the GPU tier; the sm_90 builds need no device and run in the CPU suite, so not here
-if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+if has pytest; then
   part gpu-tier "$L_GPU_TIER" "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu -k "not sm90_build and not missing_ptxas" \
     --junitxml="$OUT/gpu-tier.xml"
 else
@@ -132,7 +137,7 @@ if [ "$DRY" = 1 ]; then
 else
   part sweep "$L_SWEEP" "$PYTHON" -m gradops bench --sweep --device cuda --processes 0 --budget 0.2 --results "$OUT"
 fi
-if "$PYTHON" -c "import transformers" >/dev/null 2>&1; then
+if has transformers; then
   if [ "$DRY" = 1 ]; then
     part models "$L_MODELS" "$PYTHON" -m gradops bench --models --dry-run --device cpu --dtype fp32 --results "$OUT"
   else

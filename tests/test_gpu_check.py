@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,6 +44,15 @@ def test_dry_run_passes_within_its_limits(dry_run):
     limits = sum(float(p[3]) for p in parts)
     assert limits <= 300 - 10, f"the parts' limits add up to {limits} s: the dry run may take over 5 minutes"
     assert seconds < 300
+
+
+def test_every_part_at_its_limit_still_fits_the_window():
+    """The GPU run's limits add up to at most 8 minutes (a GPU window is ~15 minutes with the machine's start-up and
+    a rerun), the dry run's to at most 5 (it runs inside the test command)."""
+    arrays = re.findall(r"limits=\(([\d ]+)\)", SCRIPT.read_text())
+    dry, gpu = ([int(x) for x in a.split()] for a in arrays)
+    assert len(dry) == len(gpu) == 7
+    assert sum(dry) <= 300 and sum(gpu) <= 480, (sum(dry), sum(gpu))
 
 
 def test_dry_run_files_name_every_op_with_device_versions_and_commit(dry_run):
