@@ -19,8 +19,8 @@ import json
 import numpy as np
 import pytest
 
-import gradops
-from gradops.golden import files, make, verdict, write_case
+from golden_runs import gradops_outputs
+from gradops.golden import make, verdict, write_case
 from gradops.golden.verify import verify
 from gradops.registry import NAMES
 
@@ -50,17 +50,6 @@ def test_recheck_fails_only_a_systematically_worse_kernel():
     assert recheck_lower([1.3, 1.5, 1.2, 2.1, 1.4, 1.6, 1.25, 1.9, 1.35, 1.45]) > 1.0  # worse on every seed
 
 
-def _gradops_outputs(directory, manifest) -> list:
-    args = [files.read(directory / e["bin"], e["dtype"], e["shape"]) if "bin" in e else e["value"]
-            for e in manifest["inputs"]]
-    result = getattr(gradops, manifest["op"])(*args)
-    paths = []
-    for value, entry in zip(result if isinstance(result, tuple) else (result,), manifest["outputs"]):
-        files.write(directory, f"ours_{entry['name']}", value)
-        paths.append(directory / f"ours_{entry['name']}.bin")
-    return paths
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", NAMES)
 def test_verify_passes_gradops_own_outputs_over_ten_seeds(tmp_path, op, dtype):
@@ -69,7 +58,7 @@ def test_verify_passes_gradops_own_outputs_over_ten_seeds(tmp_path, op, dtype):
         directory = tmp_path / str(seed)
         write_case(make(op, _shape(op), dtype, seed=seed), directory, shape=_shape(op), dtype=dtype, seed=seed)
         manifest = json.loads((directory / "manifest.json").read_text())
-        for v in verify(directory, _gradops_outputs(directory, manifest)):
+        for v in verify(directory, gradops_outputs(directory, manifest)):
             by_output.setdefault(v.name, []).append(v)
     for name, verdicts in by_output.items():
         failed = [seed for seed, v in zip(SEEDS, verdicts) if not v.passed]

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-import gradops
+from golden_runs import gradops_outputs
 from gradops.cli import main
-from gradops.golden import files, make, verdict, write_case
+from gradops.golden import make, verdict, write_case
 
 BF16_ULP_1 = 2.0 ** -7  # one bfloat16 step at 1.0
 
@@ -41,18 +41,6 @@ def _one_line_refusal(rc: int, out: str, err: str, fragment: str) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], err
     assert "Traceback" not in err and not out, (out, err)
-
-
-def _ours(directory: Path, manifest: dict) -> list[Path]:
-    """gradops' own outputs for the case in ``directory``, from its input files, written as ``ours_<name>.bin``."""
-    args = [files.read(directory / e["bin"], e["dtype"], e["shape"]) if "bin" in e else e["value"]
-            for e in manifest["inputs"]]
-    result = getattr(gradops, manifest["op"])(*args)
-    paths = []
-    for value, entry in zip(result if isinstance(result, tuple) else (result,), manifest["outputs"]):
-        files.write(directory, f"ours_{entry['name']}", value)
-        paths.append(directory / f"ours_{entry['name']}.bin")
-    return paths
 
 
 # ------------------------------------------------------------ 8: the Ratio against an exact third party
@@ -94,7 +82,7 @@ def test_gradops_bf16_rms_norm_grad_passes_the_issue_case(tmp_path, capsys, seed
     case = tmp_path / "case"
     assert main(["golden", "rms_norm_grad", "--shape", "64x256", "--dtype", "bfloat16", "--seed", str(seed),
                  "--out", str(case)]) == 0
-    paths = _ours(case, json.loads((case / "manifest.json").read_text()))
+    paths = gradops_outputs(case, json.loads((case / "manifest.json").read_text()))
     rc, out, _ = _run(["verify", str(case), *map(str, paths)], capsys)
     assert rc == 0, out
 
