@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .contract._common import shape_text
+from .contract._common import require_present, shape_text
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",
@@ -44,6 +44,13 @@ def _input_shape_error(op: str, x: Tensor, normalized_shape: tuple[int, ...]) ->
     return OpError(ACLNN_ERR_PARAM_INVALID, op, "x.shape",
                    f"(..., {dims}), ending with the module's normalized_shape {shape_text(normalized_shape)}",
                    shape_text(x.shape))
+
+
+def _not_a_tensor(op: str, name: str, x: object) -> None:
+    """Raise the op's OpError (161001 for None, 161002 for another type) for a module input that is not a tensor,
+    before the module reads its dtype or shape (torch's modules raise TypeError there; an AttributeError from here
+    would name neither the op nor the argument). Called only when ``x`` is not one (no cost on the call path)."""
+    require_present(op, **{name: x})
 
 
 def _blame_input(err: OpError, op: str, x: Tensor, normalized_shape: tuple[int, ...]) -> OpError:
@@ -64,6 +71,8 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            _not_a_tensor("rms_norm", "x", x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
         try:
@@ -81,6 +90,8 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            _not_a_tensor("layer_norm", "x", x)
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
         beta = self.bias if self.bias is not None else x.new_zeros(self.normalized_shape)
         nd = len(self.normalized_shape)
@@ -110,6 +121,8 @@ class Embedding(torch.nn.Embedding):
     def forward(self, indices: Tensor) -> Tensor:
         if self.sparse:
             return super().forward(indices)
+        if not isinstance(indices, Tensor):
+            _not_a_tensor("embedding", "indices", indices)
         num_weights = self.weight.shape[0]
         padding_idx = -1
         if self.padding_idx is not None:

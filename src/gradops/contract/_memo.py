@@ -8,8 +8,10 @@ plans of the shapes a program uses. Measured on the 2-core CI machine at 8 x 8 f
 
 What is never remembered, so the check runs in full each time: a refusal (an OpError is raised afresh, with
 the message of the arguments at hand); an argument that is not a plain tensor (a subclass or fake tensor has
-its own metadata rules), a tensor that is not strided (sparse), or a value other than None, bool, int, float
-and str; keyword arguments. A float NaN never equals itself, so a NaN epsilon always misses (and is checked).
+its own metadata rules), a tensor that is not strided (sparse), a tensor whose storage was freed or shrunk
+(:data:`gradops.contract._common.hollow`: a plan depends on metadata only, so this is asked on every call), or a
+value other than None, bool, int, float and str; keyword arguments. A float NaN never equals itself, so a NaN
+epsilon always misses (and is checked).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from .._compat import is_compiling
+from . import _common
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (type(None), bool, int, float, str)
@@ -38,7 +41,7 @@ def key_of(args: tuple) -> tuple | None:
     for a in args:
         kind = type(a)
         if kind in _PLAIN_TENSORS:
-            if a.layout is not _STRIDED:
+            if a.layout is not _STRIDED or _common.hollow(a):
                 return None
             key.append((a.shape, a.dtype, a.device))
         elif kind in _SCALARS:

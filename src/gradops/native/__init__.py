@@ -139,6 +139,9 @@ def module() -> ModuleType | None:
         return None
     loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
     _pool.use_native(loaded)
+    from ..contract import _common
+
+    _common.use_hollow(loaded.hollow)  # the storage test of every planned call, in C (see contract._common.hollow)
     _module, _why = loaded, "loaded"
     return _module
 
@@ -191,5 +194,9 @@ def reset() -> None:
     :func:`gradops.ops._plan.forget_all`)."""
     global _module, _why, _tried
     forget_plans()
+    if _module is not None:
+        from ..contract import _common
+
+        _common.use_hollow(None)
     _module, _why, _tried = None, "not loaded yet", False
     _registered.clear()

@@ -100,13 +100,15 @@ enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
 // Whether the kernels may read ``t`` by address: a dense CPU tensor with storage and no key that changes what its
 // memory means. An upstream gradient can be none of that: a legacy-vmap BatchedTensor (autograd.grad with
 // is_grads_batched=True), a functorch wrapper, a tensor subclass, a lazy negation / conjugation. Those take the
-// Python formula, whose op knows how to dispatch them.
+// Python formula, whose op knows how to dispatch them. So does a hollow one (a freed storage: see gradops::hollow),
+// whose op refuses it with its OpError.
 bool plain(const Tensor& t) {
   static const c10::DispatchKeySet foreign({c10::DispatchKey::Batched, c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Python,
                                             c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::Functionalize,
                                             c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
-  return t.layout() == at::kStrided && t.device().is_cpu() && t.has_storage() && !t.key_set().has_any(foreign);
+  return t.layout() == at::kStrided && t.device().is_cpu() && t.has_storage() && !t.key_set().has_any(foreign) &&
+         !gradops::hollow(t);
 }
 
 // The Python formula of each op's backward (create_graph=True, a forked child, a gradient that is not plain); set
@@ -226,7 +228,13 @@ void release_block(void* block, int64_t bytes) {
 // A contiguous CPU tensor: from the pool from kPoolMin on (a recycled block of the exact size, else a new one), else
 // at::empty. Its storage cannot be resized (as the Python pool's).
 Tensor gradops::output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
+  // Checked: a product that wrapped around (an embedding table of 2**62 + 2**18 rows of 4 floats is 2**20 bytes
+  // modulo 2**64) would hand out a block smaller than the tensor over it.
+  int64_t bytes = static_cast<int64_t>(options.dtype().itemsize());
+  for (int64_t size : sizes) {
+    TORCH_CHECK(size >= 0 && !__builtin_mul_overflow(bytes, size, &bytes), "gradops.native: could not allocate ",
+                sizes, " elements of ", options.dtype().itemsize(), " bytes (more than int64 bytes)");
+  }
   if (bytes < kPoolMin || pool_limit() <= 0) return at::empty(sizes, options);
   void* block = nullptr;
   {
@@ -346,7 +354,8 @@ struct HardswishBackward : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     Tensor x = self_.unpack(getptr());
-    if (at::GradMode::is_enabled() || forked || !plain(grads[0])) {
+    // A saved x whose storage was freed after the forward (see gradops::hollow): the formula's op refuses it.
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || gradops::hollow(x)) {
       return {python_backward(kHardswish, {grads[0], x}, 0.0)[0]};
     }
     if (owned_like(grads[0], x)) {
@@ -394,7 +403,9 @@ struct LayerNormBackward : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     auto self = getptr();
     Tensor x = x_.unpack(self), gamma = gamma_.unpack(self), mean = mean_.unpack(self), var = var_.unpack(self);
-    if (at::GradMode::is_enabled() || forked || !plain(grads[0])) {
+    // x or gamma (the caller's tensors; mean and var are the node's own) freed after the forward, as FSDP frees a
+    // parameter's storage between uses (see gradops::hollow): the formula's op refuses it with its OpError.
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || gradops::hollow(x) || gradops::hollow(gamma)) {
       // The Python formula needs beta's dtype: an empty tensor carries it.
       Tensor beta_like = at::empty({0}, x.options().dtype(beta_dtype_));
       variable_list g = python_backward(kLayerNorm, {grads[0], x, gamma, mean, var, beta_like}, eps_);
@@ -491,7 +502,8 @@ struct EmbeddingBackward : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     Tensor idx = indices_.unpack(getptr());
-    if (at::GradMode::is_enabled() || forked || !plain(grads[0])) return python(grads[0], idx);
+    // Indices freed after the forward (see gradops::hollow): the op refuses them with its OpError.
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || gradops::hollow(idx)) return python(grads[0], idx);
     const int64_t n = idx.numel(), v = num_weights_, e = grads[0].size(-1);
     Tensor grad = grads[0].contiguous();
     Tensor table = output({v, e}, grad.options());
@@ -626,9 +638,10 @@ struct Plan {
 std::vector<Plan> plans[kOps];
 constexpr size_t kPlanLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
 
-// Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor).
+// Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor, or hollow:
+// its storage freed or shrunk, see gradops::hollow; the Python plan then refuses it).
 bool add_key(std::vector<int64_t>& key, const Tensor& t) {
-  if (!t.is_contiguous() || !t.device().is_cpu() || t.layout() != at::kStrided) return false;
+  if (!t.is_contiguous() || !t.device().is_cpu() || t.layout() != at::kStrided || gradops::hollow(t)) return false;
   key.push_back(static_cast<int64_t>(t.scalar_type()));
   key.push_back(t.dim());
   for (int64_t size : t.sizes()) key.push_back(size);
@@ -682,9 +695,21 @@ std::vector<int64_t>& key_buffer() {
   return key;
 }
 
+// Whether every handle is a tensor. recordable_handles skips what is not one (a gradient could flow through the
+// others), so a call with None, a number, a list or a str for a tensor argument can pass it: such a call takes the
+// Python path, whose plan refuses it with the op's OpError. After recordable_handles a tensor here is a plain one.
+template <size_t N>
+bool all_tensors(const std::array<py::handle, N>& args) {
+  for (py::handle a : args) {
+    if (!THPVariable_Check(a.ptr())) return false;
+  }
+  return true;
+}
+
 // The recorded call on the node from a remembered plan, or None (then gradops' Python path decides).
 py::object hardswish_planned(py::handle x) {
-  if (forked || !recordable_handles(std::array<py::handle, 1>{x})) return py::none();
+  const std::array<py::handle, 1> args{x};
+  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
   const Tensor& t = THPVariable_Unpack(x.ptr());
   std::vector<int64_t>& key = key_buffer();
   const Plan* plan = add_key(key, t) ? find_plan(kHardswish, key, 0.0) : nullptr;
@@ -693,8 +718,8 @@ py::object hardswish_planned(py::handle x) {
 }
 
 py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, double eps) {
-  if (forked || !recordable_handles(std::array<py::handle, 3>{x, gamma, beta})) return py::none();
-  if (!THPVariable_Check(gamma.ptr()) || !THPVariable_Check(beta.ptr())) return py::none();
+  const std::array<py::handle, 3> args{x, gamma, beta};
+  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
   const Tensor& tx = THPVariable_Unpack(x.ptr());
   const Tensor& tg = THPVariable_Unpack(gamma.ptr());
   const Tensor& tb = THPVariable_Unpack(beta.ptr());
@@ -706,8 +731,8 @@ py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, d
 }
 
 py::object embedding_planned(py::handle weight, py::handle indices, int64_t padding, bool scale) {
-  if (forked || !recordable_handles(std::array<py::handle, 2>{weight, indices})) return py::none();
-  if (!THPVariable_Check(indices.ptr())) return py::none();
+  const std::array<py::handle, 2> args{weight, indices};
+  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
   const Tensor& tw = THPVariable_Unpack(weight.ptr());
   const Tensor& ti = THPVariable_Unpack(indices.ptr());
   std::vector<int64_t>& key = key_buffer();
@@ -757,7 +782,20 @@ PyObject* embedding_planned_fast(PyObject*, PyObject* const* args, Py_ssize_t na
   END_HANDLE_TH_ERRORS
 }
 
+// gradops.contract._common.hollow's C form (the same rule, gradops::hollow), which gradops.contract._memo.key_of asks
+// of every tensor of every planned call: METH_O, ~0.1 µs where the Python form reads four attributes (~1 µs).
+// False for what is not a plain tensor (a subclass, a fake tensor: their data is their own to check).
+PyObject* hollow_fast(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  PyTypeObject* type = Py_TYPE(arg);
+  const bool plain_tensor = type == plain_types[0] || type == plain_types[1];
+  if (plain_tensor && gradops::hollow(THPVariable_Unpack(arg))) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef planned_functions[] = {
+    {"hollow", hollow_fast, METH_O, "whether a plain tensor's storage does not hold its elements (freed, shrunk)"},
     {"hardswish_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hardswish_planned_fast)),
      METH_FASTCALL, "the recorded Hardswish on a remembered plan, or None"},
     {"layer_norm_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm_planned_fast)),
@@ -771,29 +809,46 @@ void set_plain_types(py::handle tensor, py::handle parameter) {
   plain_types[1] = reinterpret_cast<PyTypeObject*>(parameter.ptr());
 }
 
+// The entries below run after gradops' call plan validated their tensors, which refuses a hollow one (see
+// gradops::hollow); checked again here because the kernels read them by address: a storage freed in between (by
+// another thread, a hook) must not reach them.
+void require_whole(const Tensor& t, const char* name) {
+  TORCH_CHECK(!gradops::hollow(t), "gradops.native: ", name, " has ", t.numel(), " elements but its storage holds ",
+              t.has_storage() ? t.storage().nbytes() : 0, " bytes (freed or shrunk: untyped_storage().resize_())");
+}
+
 Tensor hardswish(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
+  require_whole(x, "x");
   return gradops_native::hardswish_node(x, kernels);
 }
 
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Kernels kernels) {
   check_kernels(kLayerNorm, kernels);
+  require_whole(x, "x");
+  require_whole(gamma, "gamma");
+  require_whole(beta, "beta");
   return gradops_native::layer_norm_node(x, gamma, beta, eps, kernels);
 }
 
 py::object embedding(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale, Kernels kernels) {
   check_kernels(kEmbedding, kernels);
+  require_whole(weight, "weight");
+  require_whole(indices, "indices");
   Tensor y = gradops_native::embedding_node(weight, indices, padding, scale, kernels);
   return y.defined() ? py::cast(y) : py::none();
 }
 
 Tensor hardswish_function(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
+  require_whole(x, "x");
   return gradops_native::hardswish_values(x, reinterpret_cast<PieceFn>(kernels[0]));
 }
 
 Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
+  require_whole(g, "grad_output");
+  require_whole(x, "x");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
   return gradops_native::hardswish_grad(g, x, reinterpret_cast<PieceFn>(kernels[1]));
 }

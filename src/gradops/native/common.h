@@ -16,6 +16,26 @@ namespace py = pybind11;
 
 inline int64_t addr(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
+// Whether t has elements its storage does not hold: the storage was freed (``untyped_storage().resize_(0)``, as FSDP
+// does to parameters between uses and any code may do to a saved tensor: data_ptr() is then 0) or shrunk below what
+// the view addresses. A kernel handed such a tensor by address reads or writes memory that is not there, so every
+// entry of the extension declines it (the Python path then raises the op's OpError naming it, see
+// gradops.contract._common.hollow, whose rule this is). A tensor without storage of its own (a functorch wrapper)
+// or on the meta device holds no data to check. Cost: a few loads per tensor.
+inline bool hollow(const at::Tensor& t) {
+  if (!t.has_storage() || t.is_meta()) return false;
+  const int64_t n = t.numel();
+  if (n == 0) return false;
+  int64_t reach = t.storage_offset() + 1;  // one past the last element addressed, in elements (strides are >= 0)
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > 1) reach += (sizes[d] - 1) * strides[d];
+  }
+  const c10::Storage& storage = t.storage();
+  return storage.data() == nullptr || storage.nbytes() < static_cast<size_t>(reach) * t.element_size();
+}
+
 // A kernel piece (gradops.cpu.programs: a numba cfunc): reads its arguments from the int64 array at ``args``
 // (addresses, integers, float64 bits), runs its work items [lo, hi); returns -1, or a position whose value the op
 // refuses. The one calling convention of every compiled kernel the extension runs, nodes and direct calls alike.

@@ -74,8 +74,10 @@ enum Tag : int64_t { kNone = -1, kBool = -2, kInt = -3, kFloat = -4 };
 
 // Appends the metadata of the call arguments args[first:] to key and their tensors to tensors; false when a direct
 // call cannot take them: a tensor that is not a plain contiguous CPU tensor (a subclass, meta, lazily negated or
-// conjugated, legacy-vmap batched), one autograd would record (``record``: grad mode is on), or an argument other
-// than a tensor, None, bool, int or float. What gradops.contract._memo.key_of reads, and contiguity.
+// conjugated, legacy-vmap batched), one autograd would record (``record``: grad mode is on), a hollow one (its
+// storage freed or shrunk: gradops::hollow, checked on every call since a program is remembered by metadata only),
+// or an argument other than a tensor, None, bool, int or float. What gradops.contract._memo.key_of reads, and
+// contiguity.
 bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>& key,
             std::vector<const Tensor*>& tensors) {
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -85,7 +87,7 @@ bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>&
     if (type == gradops::plain_types[0] || type == gradops::plain_types[1]) {
       const Tensor& t = THPVariable_Unpack(a);
       if (gradops::foreign_tensor(t) || (record && t.requires_grad()) || t.layout() != at::kStrided ||
-          !t.device().is_cpu() || !t.is_contiguous()) {
+          !t.device().is_cpu() || !t.is_contiguous() || gradops::hollow(t)) {
         return false;
       }
       key.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -138,16 +140,22 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
       zero_later[k] = p.outputs[k].zero;
     }
   }
-  for (size_t k = 0; k < outs.size(); ++k) {
-    if (outs[k].defined()) continue;
-    const Buffer& b = p.outputs[k];
-    outs[k] = gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype));
-    if (b.zero) outs[k].zero_();
-  }
-  scratch.reserve(p.scratch.size());
-  for (const Buffer& b : p.scratch) {
-    scratch.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
-    if (b.zero) scratch.back().zero_();
+  // A buffer memory cannot hold (embedding_dense_backward's num_weights alone sizes its table: 2**40 rows of 4
+  // floats are 16 TiB) takes the Python path, whose op raises its OpError naming the argument that sized it.
+  try {
+    for (size_t k = 0; k < outs.size(); ++k) {
+      if (outs[k].defined()) continue;
+      const Buffer& b = p.outputs[k];
+      outs[k] = gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype));
+      if (b.zero) outs[k].zero_();
+    }
+    scratch.reserve(p.scratch.size());
+    for (const Buffer& b : p.scratch) {
+      scratch.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
+      if (b.zero) scratch.back().zero_();
+    }
+  } catch (const c10::Error&) {
+    return py::none();
   }
   for (const Step& s : p.steps) {
     std::array<int64_t, kMaxArgs> values;
@@ -235,8 +243,10 @@ bool meet(const Tensor& a, const Tensor& b) {
 // direct_into(op, out, *args): the op's out= call on its own arguments - direct() writing the results into
 // ``out``, the one tensor of a one-result op or a tuple or list of one tensor per result. True when done; None
 // wherever gradops.ops._out.check_out would refuse out or could accept it only on the Python path: out of another
-// form or length, an out that is not a plain contiguous CPU tensor of exactly the result's sizes and dtype, an
-// inference tensor outside inference mode, or one whose bytes meet an input's or another out's. Python then runs
+// form or length, an out that is not a plain contiguous CPU tensor of exactly the result's sizes and dtype (a lazily
+// negated one included: its memory holds the negated values), a hollow one (gradops::hollow), one that requires grad
+// while grad mode is on, an inference tensor outside inference mode, or one whose bytes meet an input's or another
+// out's. Python then runs
 // check_out, which raises the op's OpError (or torch's RuntimeError) naming the out, or copies into an out of other
 // strides. MISS as direct(). Every out check here is one check_out makes, so a call taken here is one check_out
 // accepts: this is the common out= call without the Python checks (23.5 µs of layer_norm_backward at 8 x 8 fp32
@@ -253,6 +263,7 @@ py::object direct_into(py::args args) {
     return py::none();
   }
   const bool inference = c10::InferenceMode::is_enabled();
+  const bool grad_mode = at::GradMode::is_enabled();
   std::vector<Tensor> outs;
   outs.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -262,7 +273,8 @@ py::object direct_into(py::args args) {
     const Tensor& t = THPVariable_Unpack(o);
     const Buffer& b = p->outputs[p->results[i]];
     if (gradops::foreign_tensor(t) || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous() ||
-        t.scalar_type() != b.dtype || t.sizes() != at::IntArrayRef(b.sizes) || (t.is_inference() && !inference)) {
+        t.scalar_type() != b.dtype || t.sizes() != at::IntArrayRef(b.sizes) || (t.is_inference() && !inference) ||
+        (grad_mode && t.requires_grad()) || gradops::hollow(t)) {
       return py::none();
     }
     for (const Tensor* input : tensors) {

@@ -40,17 +40,19 @@ def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: i
     plan = plan_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     try:
         return plan.run(plan.shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    except (MemoryError, RuntimeError) as err:
+    except (MemoryError, RuntimeError, ValueError) as err:
         raise too_large(err, num_weights, grad) from err
 
 
 def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseException:
     """The one input that sizes memory by itself is num_weights (the result has V rows whatever the work): an
     allocation that fails for it becomes an OpError saying how much was asked (CANN's answer to a failed
-    allocation is ACLNN_ERR_INNER_NULLPTR); any other error is returned as it is."""
-    if not isinstance(err, MemoryError) and "alloc" not in str(err).lower():
-        return err
+    allocation is ACLNN_ERR_INNER_NULLPTR), and so does a table of more bytes than int64 counts, whatever the
+    allocator raised for it (numpy: ValueError "Maximum allowed dimension exceeded"); any other error is returned
+    as it is."""
     nbytes = num_weights * grad.shape[-1] * grad.element_size()
+    if not isinstance(err, MemoryError) and "alloc" not in str(err).lower() and nbytes < 2**63:
+        return err
     size = next(f"{nbytes / 2 ** p:.1f} {u}" for p, u in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (0, "B"))
                 if nbytes >= 2 ** p or p == 0)
     return OpError(ACLNN_ERR_INNER_NULLPTR, "embedding_dense_backward", "num_weights",
