@@ -7,9 +7,17 @@ torch.compile), through the same validation table and backend choice as the op.
 
 Rules (checked before any kernel runs; violations raise OpError 161002 naming the out tensor):
 one tensor per result (a tuple for tuple results), each of the documented shape and dtype, on the inputs'
-device, one memory location per element (no broadcast or interleaved strides), not overlapping any input or
-another out. Any strides: a non-contiguous out is filled by a copy.
+device, one memory location per element (no broadcast or interleaved strides), its storage holding its elements
+(161001 for a freed storage, see :data:`gradops.contract._common.hollow`), not requiring grad while grad mode is
+on (torch's ``out=`` functions refuse it: an out= result carries no autograd history; under ``torch.no_grad()``
+it is written, as torch writes it), and not overlapping any input or another out in memory - by address, so two
+storages over the same memory (numpy arrays, ``torch.from_numpy``, ``from_blob``) count. Any strides: a
+non-contiguous out is filled by a copy, and so is an out with the lazy negation bit (``z.conj().imag``), whose
+memory holds the negated values: the copy writes them negated, so the out reads back the results.
 Forward ops refuse ``out=`` when autograd would record them (as torch's ``out=`` functions do).
+
+In a child forked after GNU OpenMP ran (see :func:`gradops.backend._serially`), the whole write runs on one torch
+thread, the copies included: a parallel region there never returns.
 
 With the native extension loaded, a public function first hands its out= call to its DirectOp's ``direct_into``,
 which makes these checks in C++ and writes through the op's direct program; whatever it declines comes here
@@ -26,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..contract._common import dtype_name, fail, require_writable, shape_text
+from ..backend import _forked_omp_child
+from ..contract._common import dtype_name, fail, require_whole, require_writable, shape_text
 from ..status import ACLNN_ERR_PARAM_INVALID
 
 if TYPE_CHECKING:
@@ -35,27 +44,28 @@ if TYPE_CHECKING:
 Spec = tuple[Sequence[int], torch.dtype]
 
 
-def _span(t: Tensor) -> tuple[int, int, int]:
-    """(storage base address, first byte, one past the last byte) of the memory t can address; all 0 when empty.
-
-    The base is computed from the data pointer and the storage offset, which is what
-    ``t.untyped_storage().data_ptr()`` returns without building a storage object (~1.4 µs each: with five inputs
-    and three outs, the pairwise checks built 36 of them, 52 µs per call of layer_norm_backward(..., out=) on
-    2 cores, against 29 µs for the whole call without out=)."""
+def _span(t: Tensor) -> tuple[int, int]:
+    """(first byte, one past the last byte) of the memory t can address; (0, 0) when empty. From the data pointer
+    and the strides: no storage object is built (~1.4 µs each: with five inputs and three outs, the pairwise checks
+    built 36 of them, 52 µs per call of layer_norm_backward(..., out=), against 29 µs for the whole call without
+    out=)."""
     if t.numel() == 0:
-        return (0, 0, 0)
+        return (0, 0)
     start = t.data_ptr()
     size = t.element_size()
     if t.is_contiguous():
         end = start + t.numel() * size
     else:
         end = start + (sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 1) + 1) * size
-    return (start - t.storage_offset() * size, start, end)
+    return (start, end)
 
 
-def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    """Whether two spans of :func:`_span` share a byte of one storage."""
-    return a[0] == b[0] and a[0] != 0 and a[1] < b[2] and b[1] < a[2]
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two spans of :func:`_span` share an address. By address, not by storage: two storages can cover the
+    same memory (``torch.from_numpy`` of two numpy views of one array, ``from_blob``), and a write into one is then
+    a write into the other (the direct path's ``meet`` compares the same ranges). Conservative for interleaved
+    views of one storage (``x[:, ::2]`` beside ``x[:, 1::2]``), which count as overlapping."""
+    return a[0] != 0 and b[0] != 0 and a[0] < b[1] and b[0] < a[1]
 
 
 def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device, **inputs: Tensor | None
@@ -66,8 +76,8 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
     if len(outs) != len(specs) or (len(specs) > 1) != isinstance(out, (tuple, list)):
         raise fail(ACLNN_ERR_PARAM_INVALID, op, "out", what, type(out).__name__ if not isinstance(out, (tuple, list))
                    else f"{len(outs)} items")
-    spans: list[tuple[str, tuple[int, int, int]]] | None = None
-    out_spans: list[tuple[int, int, int]] = []
+    spans: list[tuple[str, tuple[int, int]]] | None = None
+    out_spans: list[tuple[int, int]] = []
     for i, (t, (shape, dtype)) in enumerate(zip(outs, specs)):
         name = f"out[{i}]" if len(specs) > 1 else "out"
         if not isinstance(t, Tensor):
@@ -78,6 +88,10 @@ def check_out(op: str, out: object, specs: Sequence[Spec], device: torch.device,
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.dtype", dtype_name(dtype), dtype_name(t.dtype))
         if t.device != device:
             raise fail(ACLNN_ERR_PARAM_INVALID, op, f"{name}.device", str(device), str(t.device))
+        if t.requires_grad and torch.is_grad_enabled():  # torch's rule for out= (see the module docstring)
+            raise fail(ACLNN_ERR_PARAM_INVALID, op, name, "a tensor that does not require grad (out= results carry no "
+                       "autograd history; write under torch.no_grad() or drop out=)", "requires_grad=True")
+        require_whole(op, name, t)
         require_writable(op, name, t)
         if t.is_inference() and not torch.is_inference_mode_enabled():  # torch's rule and words, before any write
             raise RuntimeError(f"gradops.{op}: {name}: Inplace update to inference tensor outside InferenceMode is "
@@ -115,8 +129,10 @@ def takes_out(fn: Callable) -> bool:
 
 
 def _view(t: Tensor, shape: Sequence[int]) -> Tensor | None:
-    """A contiguous view of ``t`` with ``shape`` (what a backend writes through), or None if there is none."""
-    if not t.is_contiguous():
+    """A contiguous view of ``t`` with ``shape`` (what a backend writes through), or None if there is none: not
+    contiguous, or its memory does not hold its values as they read (the lazy negation bit of ``z.conj().imag``, or
+    conjugation), so a write by address would read back negated; ``copy_`` writes such an out right."""
+    if not t.is_contiguous() or t.is_neg() or t.is_conj():
         return None
     return t.view(tuple(shape))
 
@@ -131,8 +147,23 @@ def run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequen
     the kernels on torch's threads), as a call without ``out=`` runs. (The public functions try that first, on
     their own arguments, before check_out: see DirectOp.direct_into; this is for the calls it declined but check_out
     accepts, e.g. a float32 embedding table beside float16 grad.) Backends whose function takes ``out=`` write in
-    place (a tuple for several results); others, or an out without a contiguous view, get their result copied in.
+    place (a tuple for several results); others, or an out without a contiguous view (see :func:`_view`), get their
+    result copied in. In a child forked after GNU OpenMP ran, all of it runs on one torch thread, the copies
+    included (the backend's function alone already does there: :func:`gradops.backend._serially`); the caller's
+    thread count is restored after.
     """
+    if not _forked_omp_child():
+        return _run_into(fn, args, outs, shapes, via)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_into(fn, args, outs, shapes, via)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Sequence[Sequence[int] | None],
+              via: DirectOp | None) -> tuple[Tensor, ...]:
     views = [_view(o, o.shape if s is None else s) for o, s in zip(outs, shapes)]
     whole = all(v is not None for v in views)
     if whole and via is not None and via.direct_into(tuple(views) if len(views) > 1 else views[0], *args):
