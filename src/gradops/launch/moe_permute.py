@@ -75,15 +75,30 @@ def _guard_permutation(sorted_indices: Tensor, op: str) -> None:
             "a value changed again before it could be shown", -1, total, op))
 
 
+def _guard_range(sorted_indices: Tensor, op: str) -> None:
+    """Flag entries outside ``[0, T*K)`` (one elementwise pass, no host synchronisation on CUDA): what a trusted
+    call still tests, since a saved tensor can be changed behind autograd's back (``.data``, a numpy view)."""
+    total = sorted_indices.numel()
+    if total:
+        def error() -> Exception:
+            bad = ((sorted_indices < 0) | (sorted_indices >= total)).nonzero()
+            if not bad.numel():  # changed again since the flag was raised
+                return sorted_index_error("a value changed again before it could be shown", -1, total, op)
+            pos = int(bad[0, 0])
+            return sorted_index_error(int(sorted_indices[pos]), pos, total, op)
+
+        guard(((sorted_indices < 0) | (sorted_indices >= total)).any(), error)
+
+
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
                            out: Tensor | None = None, block_h: int | None = None) -> Tensor:
     """``out[t] = sum_{k<K} grad[sorted_indices[t*K + k]]`` (fp32, k order; rows >= A add nothing).
 
     Args:
         grad: (A, H), A <= T*K, float16 / bfloat16 / float32, any strides.
-        sorted_indices: (T*K,) int32 / int64, a permutation of [0, T*K): flagged otherwise unless ``trusted``
-            (the backward of this package's own forward), as OpError 161002 (see :func:`_guard_permutation`); the
-            kernel never reads a row outside [0, A) either way.
+        sorted_indices: (T*K,) int32 / int64, a permutation of [0, T*K): flagged otherwise as OpError 161002 (see
+            :func:`_guard_permutation`); ``trusted`` (the backward of this package's own forward) flags only entries
+            outside the range (:func:`_guard_range`). The kernel never reads a row outside [0, A) either way.
         num_topk: K in [1, 512]. out: optional contiguous (T, H) tensor to write into.
         block_h: column block override (tests).
 
@@ -94,7 +109,9 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     total = sorted_indices.numel()
     t = total // num_topk
     out = outputs(out, [((t, h), grad.dtype)], grad.device)[0]
-    if not trusted:
+    if trusted:
+        _guard_range(sorted_indices, "moe_token_permute_grad")
+    else:
         _guard_permutation(sorted_indices, "moe_token_permute_grad")
     if t == 0 or h == 0:
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..contract.moe_permute import checked_expert_ids, checked_permutation
+from ..contract.moe_permute import checked_expert_ids, checked_permutation, checked_sorted_indices
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -32,10 +32,14 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int,
 
     ``grad`` has A <= T*K rows; an entry in ``[A, T*K)`` names a row the forward dropped and adds nothing.
     sorted_indices must be a permutation of ``[0, T*K)`` (CANN: no repeated index): an entry outside it or a
-    repeated one is refused (OpError 161002), even if the caller checked the range before, unless ``trusted`` (the
-    backward of this package's own forward, whose output is a permutation by construction).
+    repeated one is refused (OpError 161002), even if the caller checked the range before. ``trusted`` (the backward
+    of this package's own forward, whose output is a permutation by construction) skips the repeat test, not the
+    range: a saved tensor can still be changed behind autograd's back (``.data``, a numpy view), and the gather
+    below must never read outside ``grad``.
     """
-    if not trusted:
+    if trusted:
+        checked_sorted_indices(sorted_indices)
+    else:
         checked_permutation(sorted_indices, "moe_token_permute_grad")
     rows, hidden = grad.shape
     idx = sorted_indices.long().view(-1, num_topk)
