@@ -19,10 +19,14 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-#: fastmath flags of every kernel: reassociation lets LLVM vectorize the float32 dot products and sums, contract
-#: allows FMA. No 'nnan'/'ninf': NaN and inf must propagate as in the reference. Reassociation changes bits only
-#: with the compiled code, never with the thread count (each row or block is always reduced by the same code).
-FASTMATH = {"reassoc", "contract"}
+#: fastmath flags of every kernel: reassociation lets LLVM vectorize the float32 dot products and sums. No
+#: 'nnan'/'ninf': NaN and inf must propagate as in the reference. Reassociation changes bits only with the compiled
+#: code, never with the thread count (each row or block is always reduced by the same code). No 'contract' either:
+#: with it the machine code numba runs in the process that compiles a kernel and the code it writes to the disk
+#: cache fused different multiply-adds on an AVX2 CPU with FMA (Zen 3), so LayerNorm's variance and backward
+#: differed in their last bits between the first process and every later one
+#: (tests/test_cpu_backend.py::test_cached_kernels_give_the_bits_of_fresh_ones). The kernels are memory-bound.
+FASTMATH = {"reassoc"}
 
 
 @intrinsic
