@@ -44,9 +44,14 @@ MODELS = {"llama": "Llama", "qwen3_moe": "Qwen3-MoE"}
 
 
 def load(results: Path = RESULTS) -> list[dict]:
-    """Every record of ``results/*.jsonl``, each with ``_file`` (the file's name) added, in file and line order."""
+    """Every record of ``results/*.jsonl``, each with ``_file`` (the file's name) added, in file and line order.
+
+    ``first-use-*.jsonl`` are left out: :mod:`gradops.bench.first_use` measures a fresh install (its sweep runs with
+    only what the install built, one process per case), not the figures these tables show."""
     records = []
     for path in sorted(results.glob("*.jsonl")):
+        if path.name.startswith("first-use-"):
+            continue
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 records.append({**json.loads(line), "_file": path.name})
