@@ -37,7 +37,7 @@ fi
 # be written, gradops compiles into a private temporary folder and says so once.
 
 # The native autograd nodes (src/gradops/native): gradops.nn's eager CPU training path without Python in the
-# backward. Built once per source / torch / Python into gradops' cache (~30-60 s with g++ on the CI VM), then only a
+# backward. Built once per source / torch / Python into gradops' cache (~1-1.5 min with g++ on 2 cores), then only a
 # file check. Without a C++ compiler gradops runs its Python path (the same results, ~50 µs more per training step
 # at small sizes) and says so here; the tests then skip the native ones, which they require once it is built.
 if python -m gradops.native --quiet; then
