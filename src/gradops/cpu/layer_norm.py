@@ -15,7 +15,7 @@ from torch import Tensor
 from ..contract.layer_norm import LayerNormPlan, statistic_error
 from . import _pool
 from ._host import PARALLEL_MIN, TASK_ITEMS, dense, finish, output, row_blocks, safe_entry, scratch
-from ._numeric import FASTMATH, ld, st
+from ._numeric import FASTMATH, fma32, ld, st
 from ._reduce import fold_partials
 from ._views import F32, STORAGE, view1, view2
 
@@ -252,7 +252,7 @@ def _backward_rows(dy, x, mean, rstd, gamma, dx, pg, pb, b):  # pragma: no cover
             xmu = ld(x, (r, j)) - mu
             g = ld(dy, (r, j))
             st(dx, (r, j), g * ld(gamma, j) * s + a * xmu + c)
-            ag[j] += g * (xmu * s)
+            ag[j] = fma32(g, xmu * s, ag[j])  # one rounding per row, as ATen's vectorized fmadd
             ab[j] += g
 
 
