@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..contract.moe_permute import checked_sorted_indices
 from ..ops.moe_permute import plan_moe_token_permute, plan_moe_token_permute_grad
 from ..status import OpError
 from ._executor import aclOpExecutor, execute, plan, prepare, refused
@@ -41,8 +40,7 @@ def aclnnMoeTokenPermuteGradGetWorkspaceSize(permutedOutputGrad: Tensor, sortedI
         return refused(e)
     args = (permutedOutputGrad, sortedIndices, numTopk)
 
-    def compute(impl, kw):
-        checked_sorted_indices(sortedIndices)
+    def compute(impl, kw):  # the backend tests sortedIndices (a permutation of [0, T*K)) where it reads them
         return impl(*args, **kw)
 
     return prepare("moe_token_permute_grad", permutedOutputGrad.device, choice, args, compute, {"out": out},

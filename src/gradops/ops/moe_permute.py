@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..contract import moe_permute as contract
 from ..contract._memo import remembered
-from ..contract.moe_permute import check_restore_shape, checked_sorted_indices
+from ..contract.moe_permute import check_restore_shape
 from ._direct import BODY, DirectOp, eager_path, own
 from ._out import check_out, refuse_autograd, run_into
 from ._plan import Planner
@@ -25,11 +25,9 @@ check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_g
 
 def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                      padded_mode: bool = False, *, checked: bool = False) -> Tensor:
-    """The backend, after the range test of the indices unless ``checked`` (the forward's own output, a
-    permutation by construction: the backend then skips its own permutation test, which on CUDA is a device
-    sort)."""
-    if not checked:
-        checked_sorted_indices(sorted_indices)
+    """The backend, which tests the indices where it reads them: a permutation of [0, T·K), or with ``checked``
+    (the forward's own output, a permutation by construction) only their range, skipping the repeat test that on
+    CUDA is a device sort."""
     return own(fn(permuted_output_grad, sorted_indices, num_topk, trusted=checked))
 
 
@@ -161,7 +159,6 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
         outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
                          permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
-        checked_sorted_indices(sorted_indices)
         return run_into(call.backend.fn, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
                                    check=check_moe_token_permute_grad)
