@@ -49,6 +49,16 @@ PARALLEL_MIN = 1 << 15
 TASK_ITEMS = 1 << 14
 
 
+def kernel(name: str, inputs: Sequence[Tensor | None], outputs: Sequence[Tensor], ints: Sequence[int] = (),
+           floats: Sequence[float] = ()) -> int:
+    """Run the native CPU kernel ``name`` (see gradops/native/kernels.h for the convention): ``inputs`` contiguous
+    CPU tensors in the op's order (None for an absent optional one), ``outputs`` contiguous results it fills.
+    Returns -1, or the position of the first value the op refuses."""
+    from .. import native
+
+    return native.kernels().kernel(name, list(inputs), list(outputs), list(ints), list(floats))
+
+
 def dense(t: Tensor) -> Tensor:
     """``t`` when it is contiguous, else a contiguous copy (the caller keeps it alive while a kernel reads its
     address)."""

@@ -31,7 +31,7 @@ from ._views import STORAGE
 
 #: A step argument's kind: the call's input tensor i, output i, scratch buffer i, or a value (direct.cpp's Slot;
 #: tests/test_direct_native.py checks they agree).
-INPUT, OUTPUT, SCRATCH, VALUE = 0, 1, 2, 3
+INPUT, OUTPUT, SCRATCH, VALUE, ABSENT = 0, 1, 2, 3, 4
 I64, F64 = np.dtype(np.int64), np.dtype(np.float64)
 _PIECE = types.int64(types.int64, types.int64, types.int64)
 
@@ -69,6 +69,14 @@ class Program:
         values."""
         slots = [a if isinstance(a, tuple) else (VALUE, _bits(a)) for a in args]
         self.steps.append((piece, slots, count, count if grain is None else max(1, grain)))
+
+    def kernel(self, name: str, inputs: Sequence[tuple[int, int] | None], outputs: Sequence[tuple[int, int]],
+               ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
+        """Run the registered CPU kernel ``name`` (see native/kernels.h) once: ``inputs`` as slots (:func:`arg`, an
+        output or buffer of this program, or None for an absent optional tensor), ``outputs`` as slots, then its
+        integers and floats. The kernel splits its own work over torch's threads."""
+        ins = [(ABSENT, 0) if a is None else a for a in inputs]
+        self.steps.append((name, ins, list(outputs), [int(i) for i in ints], [float(f) for f in floats]))
 
     def returns(self, *outputs: tuple[int, int]) -> Program:
         """The outputs the call returns: one tensor, or a tuple of several."""

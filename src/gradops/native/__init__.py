@@ -31,9 +31,10 @@ from torch import Tensor
 from .._compat import HAS_OPENMP
 
 _HERE = Path(__file__).parent
-#: The extension's sources: the autograd nodes, the direct calls of the public functions, what they share.
-SOURCES = (_HERE / "autograd.cpp", _HERE / "direct.cpp")
-HEADERS = (_HERE / "common.h",)
+#: The extension's sources: the CPU kernels (kernels.cpp: their registry; one file per op family), the autograd
+#: nodes, the direct calls of the public functions, what they share.
+SOURCES = tuple(sorted(_HERE.glob("*.cpp")))
+HEADERS = tuple(sorted(_HERE.glob("*.h")))
 ENV = "GRADOPS_NATIVE"
 
 _module: ModuleType | None = None
@@ -52,13 +53,31 @@ _registered: set[str] = set()
 _OPENMP = ("-fopenmp",) if HAS_OPENMP else ()
 
 
+#: -O3 -march=native: the kernels are vectorized for the CPU that builds them (the tag names it, so a cache shared
+#: by two kinds of CPU holds one build each); -ffp-contract=off: no fused multiply-add the source does not write,
+#: so a kernel's bits do not depend on the instruction set.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", *_OPENMP)
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and flags (Linux), else the platform's processor name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
 def _tag() -> str:
     """What the built library depends on: the sources, their flags, torch's version (its C++ ABI) and the Python
     ABI."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}|{_OPENMP}".encode())
+    digest.update(f"{torch.__version__}|{sysconfig.get_config_var('SOABI')}|{sys.platform}|{CFLAGS}|{_cpu()}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -105,14 +124,42 @@ def build(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     # -O2: the nodes only allocate and call the kernels; no torch/extension.h (the whole C++ API), which triples
     # the build time for nothing used here.
-    load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=["-O2", *_OPENMP],
+    load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
          extra_ldflags=list(_OPENMP), verbose=verbose)
     return library
 
 
+_loaded: ModuleType | None = None
+
+
+def kernels() -> ModuleType:
+    """The extension as the CPU kernels' home, whatever ``GRADOPS_NATIVE`` says (that switch chooses the path of a
+    call, not where its kernels come from): loaded on first call, built first when it is not built yet (a one-line
+    notice; raises what the build raises)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    library = _library()
+    if not library.exists():
+        print(f"gradops: building the native CPU kernels into {build_dir()} (once per torch version)",
+              file=sys.stderr, flush=True)
+        build()
+    _loaded = _load(library)
+    return _loaded
+
+
+def _load(library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name(), library)
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
+    return loaded
+
+
 def module() -> ModuleType | None:
     """The loaded extension, or None (see :func:`status`). Loads it on first call when it is built."""
-    global _module, _why, _tried
+    global _module, _why, _tried, _loaded
     if _tried:
         return _module
     _tried = True
@@ -130,14 +177,11 @@ def module() -> ModuleType | None:
         _why = f"gradops.cpu cannot be imported ({err}): the extension runs numba's kernels"
         return None
     try:
-        spec = importlib.util.spec_from_file_location(name(), library)
-        assert spec is not None and spec.loader is not None
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
+        loaded = _loaded if _loaded is not None else _load(library)
     except Exception as err:  # a library built against another torch, a broken file: the Python path runs
         _why = f"loading {library} failed: {type(err).__name__}: {err}"
         return None
-    loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
+    _loaded = loaded
     _pool.use_native(loaded)
     from ..contract import _common
 

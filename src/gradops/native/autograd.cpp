@@ -64,25 +64,14 @@ using gradops::parallel;
 using gradops::PieceFn;
 using torch::autograd::variable_list;
 
-bool gradops::forked = false;
 PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-// Row blocks of a cross-row reduction: gradops.cpu._host.ROW_BLOCKS and BLOCK_ITEMS; table rows per block of the
-// embedding backward: gradops.cpu.embedding's block rows (checked by the same test).
-constexpr int64_t kRowBlocks = 64;
-constexpr int64_t kBlockItems = 1 << 14;
+// Table rows per block of the embedding backward: gradops.cpu.embedding's block rows.
 constexpr int64_t kTableRows = 64;
 
-// gradops.cpu._host.row_blocks: one block per kBlockItems items rounded up to a power of two, at most kRowBlocks
-// and ``rows``, at least 1 (tests/test_native.py compares the two over a range of shapes).
-int64_t row_blocks(int64_t rows, int64_t cols) {
-  const int64_t want = (rows * cols + kBlockItems - 1) / kBlockItems;
-  int64_t pow2 = 1;
-  while (pow2 < want && pow2 < kRowBlocks) pow2 *= 2;
-  return std::max<int64_t>(1, std::min<int64_t>({kRowBlocks, rows, pow2}));
-}
+using gradops::row_blocks;
 
 // A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
 using Kernels = std::vector<int64_t>;
@@ -663,8 +652,9 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 constexpr size_t kKernelCount[kOps] = {3, 4, 6};
 
 void check_kernels(Op op, const Kernels& kernels) {
-  TORCH_CHECK(kernels.size() == kKernelCount[op], "gradops.native: op ", static_cast<int>(op), " takes ",
-              kKernelCount[op], " kernel addresses, got ", kernels.size());
+  // An op whose node calls its registered kernels (kernels.h) by themselves takes no addresses.
+  TORCH_CHECK(kernels.empty() || kernels.size() == kKernelCount[op], "gradops.native: op ", static_cast<int>(op),
+              " takes ", kKernelCount[op], " kernel addresses or none, got ", kernels.size());
 }
 
 // ``ints``: the op's integer arguments (the embedding's padding row and scaling), part of the key after the tensors.
@@ -868,10 +858,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.attr("HARDSWISH") = static_cast<int64_t>(kHardswish);
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
-  m.attr("PARALLEL_MIN") = kParallelMin;
-  m.attr("ROW_BLOCKS") = kRowBlocks;
-  m.attr("BLOCK_ITEMS") = kBlockItems;
-  m.def("row_blocks", &row_blocks, "The row blocks of a reduction over a rows x cols input (for the tests).");
   m.attr("POOL_MIN") = kPoolMin;
   m.attr("EMBEDDING") = static_cast<int64_t>(kEmbedding);
   m.attr("TABLE_ROWS") = kTableRows;
@@ -892,4 +878,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forget", &forget, "drop every remembered plan");
   if (PyModule_AddFunctions(m.ptr(), planned_functions) != 0) throw py::error_already_set();
   gradops::register_direct(m);
+  gradops::register_kernels(m);
 }

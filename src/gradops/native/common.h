@@ -2,6 +2,8 @@
 // functions (direct.cpp). One extension, one module: autograd.cpp defines what is declared here.
 #pragma once
 
+#include "kernels.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -53,28 +55,6 @@ inline int64_t float_bits(double value) {
   return bits;
 }
 
-// Items below which a kernel runs on the calling thread: gradops.cpu._host.PARALLEL_MIN (tests/test_native.py checks
-// they agree), about the work where a parallel region pays for itself.
-constexpr int64_t kParallelMin = 1 << 15;
-
-// Set in a child of fork(). GNU OpenMP does not survive fork: there the nodes and functions run their kernels on the
-// calling thread (see parallel), a graph recorded before the fork runs its backward through the Python formula, and
-// the direct calls step aside for gradops' Python path, whose guards know the state of numba's own pool.
-extern bool forked;
-
-// at::parallel_for(begin, end, grain, f): f over pieces of [begin, end) on torch's intra-op threads (the pool ATen's
-// own kernels run on, so gradops' kernels and torch's never compete for cores - a second OpenMP runtime's threads,
-// spinning after their region, would). In a child of fork() one piece on the calling thread: GNU OpenMP does not
-// survive fork, and a parallel region there hangs once the parent ran one (torch's own kernels included).
-template <class F>
-void parallel(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (forked) {
-    if (begin < end) f(begin, end);
-  } else {
-    at::parallel_for(begin, end, grain, f);
-  }
-}
-
 // A contiguous CPU tensor from the output pool (see autograd.cpp): recycled blocks from 1 MiB on.
 at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
@@ -93,8 +73,9 @@ bool foreign_tensor(const at::Tensor& t);
 // std::getenv(name), or "\x01" when unset (a plan remembers both variables the backend decision reads).
 const char* env_or_unset(const char* name);
 
-// direct.cpp's half of the module.
+// direct.cpp's and kernels.cpp's parts of the module.
 void register_direct(py::module_& m);
 void forget_direct();
+void register_kernels(py::module_& m);
 
 }  // namespace gradops

@@ -40,7 +40,7 @@ using at::Tensor;
 using gradops::PieceFn;
 
 // What a step argument is: the address of the call's input i, of output i, of scratch buffer i, or the value itself.
-enum Slot : int64_t { kInput = 0, kOutput = 1, kScratch = 2, kValue = 3 };
+enum Slot : int64_t { kInput = 0, kOutput = 1, kScratch = 2, kValue = 3, kAbsent = 4 };
 constexpr size_t kMaxArgs = 32;
 
 struct Buffer {
@@ -53,6 +53,12 @@ struct Step {
   PieceFn fn;
   std::vector<std::pair<int64_t, int64_t>> args;  // (Slot, index or value)
   int64_t count, grain;  // work items [0, count), split over threads in pieces of at least grain (>= count: one)
+  // A registered kernel (kernels.h) instead of a piece: its inputs and outputs as slots (kAbsent: an undefined
+  // tensor), its ints and floats; it splits its own work.
+  gradops::Kernel kernel = nullptr;
+  std::vector<std::pair<int64_t, int64_t>> kernel_in, kernel_out;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
 };
 
 struct Program {
@@ -157,7 +163,24 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
   } catch (const c10::Error&) {
     return py::none();
   }
+  auto tensor_at = [&](const std::pair<int64_t, int64_t>& slot) -> Tensor {
+    const auto [kind, v] = slot;
+    if (kind == kOutput && zero_later[v]) {
+      outs[v].zero_();
+      zero_later[v] = 0;
+    }
+    return kind == kInput ? *inputs[v] : kind == kOutput ? outs[v] : kind == kScratch ? scratch[v] : Tensor();
+  };
   for (const Step& s : p.steps) {
+    if (s.kernel != nullptr) {
+      std::array<Tensor, kMaxArgs> in, out;
+      for (size_t i = 0; i < s.kernel_in.size(); ++i) in[i] = tensor_at(s.kernel_in[i]);
+      for (size_t i = 0; i < s.kernel_out.size(); ++i) out[i] = tensor_at(s.kernel_out[i]);
+      const gradops::KernelArgs a{c10::ArrayRef<Tensor>(in.data(), s.kernel_in.size()),
+                                  c10::ArrayRef<Tensor>(out.data(), s.kernel_out.size()), s.ints, s.floats};
+      if (s.kernel(a) >= 0) return py::none();
+      continue;
+    }
     std::array<int64_t, kMaxArgs> values;
     for (size_t i = 0; i < s.args.size(); ++i) {
       const auto [slot, v] = s.args[i];
@@ -318,8 +341,30 @@ void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, 
   if (!python) {
     p.outputs = buffers(outputs);
     p.scratch = buffers(scratch);
+    auto slot_of = [&](py::handle arg) {
+      auto [slot, v] = arg.cast<std::pair<int64_t, int64_t>>();
+      const size_t limit = slot == kInput ? tensors.size() : slot == kOutput ? p.outputs.size()
+                           : slot == kScratch ? p.scratch.size() : 0;
+      TORCH_CHECK(slot == kAbsent || (slot >= kInput && slot <= kScratch && v >= 0 && static_cast<size_t>(v) < limit),
+                  "gradops.native: kernel argument (", slot, ", ", v, ") names no tensor");
+      return std::make_pair(slot, v);
+    };
     for (py::handle spec : steps) {
       auto item = spec.cast<py::tuple>();
+      if (item.size() == 5) {  // (kernel name, input slots, output slots, ints, floats)
+        Step s{nullptr, {}, 1, 1};
+        const auto kernel_name = item[0].cast<std::string>();
+        s.kernel = gradops::find_kernel(kernel_name);
+        TORCH_CHECK(s.kernel != nullptr, "gradops.native: no kernel named ", kernel_name);
+        for (py::handle arg : item[1]) s.kernel_in.push_back(slot_of(arg));
+        for (py::handle arg : item[2]) s.kernel_out.push_back(slot_of(arg));
+        TORCH_CHECK(s.kernel_in.size() <= kMaxArgs && s.kernel_out.size() <= kMaxArgs,
+                    "gradops.native: a kernel takes at most ", kMaxArgs, " inputs and outputs");
+        s.ints = item[3].cast<std::vector<int64_t>>();
+        s.floats = item[4].cast<std::vector<double>>();
+        p.steps.push_back(std::move(s));
+        continue;
+      }
       TORCH_CHECK(item.size() == 4, "gradops.native: a step is (piece, args, count, grain)");
       Step s{reinterpret_cast<PieceFn>(item[0].cast<int64_t>()), {}, item[2].cast<int64_t>(),
              item[3].cast<int64_t>()};
@@ -372,6 +417,7 @@ void gradops::register_direct(py::module_& m) {
   m.attr("OUTPUT") = static_cast<int64_t>(kOutput);
   m.attr("SCRATCH") = static_cast<int64_t>(kScratch);
   m.attr("VALUE") = static_cast<int64_t>(kValue);
+  m.attr("ABSENT") = static_cast<int64_t>(kAbsent);
   m.attr("MAX_ARGS") = static_cast<int64_t>(kMaxArgs);
   m.def("direct", &direct, "direct(op, *args): the public function's eager call from a remembered program, None "
         "(take the Python path) or MISS (no program for these argument metadata)");
