@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _runtime
 from .status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR, OpError
 
 ENV = "GRADOPS_BACKEND"
@@ -120,9 +121,7 @@ def requested() -> str:
     return name
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (the variable must be set before triton loads)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+interpreting = _runtime.interpreting
 
 
 def usable(name: str, device: torch.device) -> tuple[bool, str]:
@@ -308,12 +307,9 @@ def decide_with_token(op: str, device: torch.device) -> tuple[Choice, str, Modul
 def forget() -> None:
     """Drop remembered choices, the ops' remembered call plans and imported backend modules (after installing or
     removing a dependency)."""
-    _chosen.clear()
     _module.cache_clear()
     _import_errors.clear()
-    plans = sys.modules.get("gradops.ops._plan")
-    if plans is not None:
-        plans.forget_all()
+    _runtime.invalidate()
 
 
-os.register_at_fork(after_in_child=_chosen.clear)
+_runtime.register_cache(_chosen.clear)

@@ -135,9 +135,9 @@ def _time(cases: dict[str, dict[str, Callable[[], object] | None]]) -> dict[tupl
 
 def measure(results: Path | None) -> int:
     """Print the per-call table; append it as JSON lines to ``<results>/per-call-<date>.jsonl`` unless None."""
-    from . import environment
+    from .provenance import environment
 
-    env = environment(torch.device("cpu"))
+    env = environment(torch.device("cpu"), False)
     with torch.no_grad():
         plain = _time({k: v for k, v in _cases().items() if "+" not in k})
     paired = _time({k: v for k, v in _cases().items() if "+" in k})

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from .. import _runtime
 from .._compat import is_compiling
 from ..status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, OpError
 
@@ -104,6 +105,9 @@ def use_hollow(fn: Callable[[torch.Tensor], bool] | None) -> None:
     """Install ``fn`` (the native extension's form of :data:`hollow`), or the Python form again for None."""
     global hollow
     hollow = fn if fn is not None else _hollow
+
+
+_runtime.on_extension(lambda ext: use_hollow(None if ext is None else ext.hollow))
 
 
 def require_whole(op: str, name: str, t: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import _runtime
+
 ENV = "GRADOPS_CPU_POOL_MB"
 #: Below 1 MiB outputs come from malloc: a numpy block and its finalizer cost ~10 µs per output, and even the
 #: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/autograd.cpp).
@@ -48,6 +50,9 @@ def use_native(extension) -> None:
     gradops/native/autograd.cpp) from now on; blocks this module held before stay here until :func:`clear`."""
     global _native
     _native = extension
+
+
+_runtime.on_extension(use_native)
 
 
 def limit_bytes() -> int:

@@ -6,7 +6,7 @@ allocates its outputs, picks tiles from :mod:`gradops.kernels` and launches. Ops
 compiled kernels; CPU tensors only under ``TRITON_INTERPRET=1`` (tests). Importing this module needs triton.
 """
 
-from ..backend import interpreting
+from .._runtime import interpreting
 
 if interpreting():  # before any kernel runs: make the interpreter work with NumPy >= 2.4
     from ._interpret import apply as _apply_interpreter_fix

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .. import _runtime
 from .._compat import HAS_OPENMP
 
 _HERE = Path(__file__).parent
@@ -107,9 +108,6 @@ def set_enabled(flag: bool) -> None:
     global _switched_off
     _switched_off = not flag
     reset()
-    from ..ops._plan import forget_all
-
-    forget_all()
 
 
 def build(verbose: bool = False) -> Path:
@@ -154,6 +152,9 @@ def _load(library: Path) -> ModuleType:
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     loaded.set_plain_types(torch.Tensor, torch.nn.Parameter)
+    forget = loaded.forget
+    _runtime.register_cache(forget)  # the extension's plans and programs, dropped with gradops' own
+    _runtime.set_extension(loaded)  # the output pool and the storage test use its C forms from now on
     return loaded
 
 
@@ -171,21 +172,11 @@ def module() -> ModuleType | None:
         _why = f"not built ({library} is missing): run python -m gradops.native"
         return None
     try:
-        from ..cpu import _pool  # the recycling pool the Python path's outputs come from
-    except ImportError as err:  # numba missing (gradops.cpu imports it): the extension's kernels are numba's too
-        _tried = False  # not final: numba may be importable at the next call (a test that hid it, undone)
-        _why = f"gradops.cpu cannot be imported ({err}): the extension runs numba's kernels"
-        return None
-    try:
         loaded = _loaded if _loaded is not None else _load(library)
     except Exception as err:  # a library built against another torch, a broken file: the Python path runs
         _why = f"loading {library} failed: {type(err).__name__}: {err}"
         return None
     _loaded = loaded
-    _pool.use_native(loaded)
-    from ..contract import _common
-
-    _common.use_hollow(loaded.hollow)  # the storage test of every planned call, in C (see contract._common.hollow)
     _module, _why = loaded, "loaded"
     return _module
 
@@ -223,8 +214,8 @@ def function(name: str) -> Callable | None:
 
 def forget_plans() -> None:
     """Drop the plans the extension remembers (see ``remember`` in autograd.cpp); with gradops' own plans."""
-    if _module is not None:
-        _module.forget()
+    if _loaded is not None:
+        _loaded.forget()
 
 
 def status() -> str:
@@ -234,13 +225,9 @@ def status() -> str:
 
 
 def reset() -> None:
-    """Forget the load decision (after changing ``GRADOPS_NATIVE``; plans made before keep their nodes until
-    :func:`gradops.ops._plan.forget_all`)."""
+    """Forget the load decision (after changing ``GRADOPS_NATIVE``) and every remembered plan, gradops' own
+    included (:func:`gradops._runtime.invalidate`)."""
     global _module, _why, _tried
-    forget_plans()
-    if _module is not None:
-        from ..contract import _common
-
-        _common.use_hollow(None)
     _module, _why, _tried = None, "not loaded yet", False
     _registered.clear()
+    _runtime.invalidate()

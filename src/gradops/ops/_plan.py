@@ -18,7 +18,6 @@ lapses when the backend module it was decided for is no longer the one loaded (s
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _runtime
 from ..backend import Choice, choose_with_token, environment_key, shaped, wide_with_token
 from ..contract._memo import LIMIT, key_of
 
@@ -45,23 +45,11 @@ class CallPlan(NamedTuple):
     native: Any = None
 
 
-#: Every planner, so that a forked child starts without plans: a backend decided in the parent may not run
-#: there (the compiled CPU kernels after GNU OpenMP ran, see :func:`gradops.backend.usable`), as for
-#: :func:`gradops.backend.choose`.
-_PLANNERS: list[Planner] = []
-
-
 def forget_all() -> None:
-    """Drop the remembered plans of every op (after a fork; with :func:`gradops.backend.forget`), the copies the
-    native extension keeps of those with a native node included."""
-    for planner in _PLANNERS:
-        planner.forget()
-    from .. import native
-
-    native.forget_plans()
-
-
-os.register_at_fork(after_in_child=forget_all)
+    """Drop every remembered decision: each planner's plans, the backend choices, the native extension's copies
+    (:func:`gradops._runtime.invalidate`; also run in a child of fork(), where a backend decided in the parent may
+    not run)."""
+    _runtime.invalidate()
 
 
 class Planner:
@@ -79,7 +67,7 @@ class Planner:
         self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
         self.native, self.program = native, program
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
-        _PLANNERS.append(self)
+        _runtime.register_cache(self._plans.clear)
 
     def __call__(self, *args: Any, **options: Any) -> CallPlan:
         """The plan for a call with positional ``args``. ``options`` go to the check as keywords: the CANN
