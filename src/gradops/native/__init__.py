@@ -128,22 +128,80 @@ def build(verbose: bool = False) -> Path:
 
 
 _loaded: ModuleType | None = None
+#: Why the kernels cannot be had in this process (a failed build or load), or None. Decided once.
+_failure: str | None = None
+FIX = "install a C++ compiler (g++ or clang++) and ninja (pip install ninja), then run python -m gradops.native"
+
+
+def ensure_built() -> str | None:
+    """Build the extension now unless it is built for this torch, Python and CPU: what the first import of gradops
+    does, so that no training step ever waits for a compiler. Says so in one line before and after (the build
+    takes ~1-2 min on 2 cores); on failure one line says what runs instead and how to fix it. Returns why the
+    kernels cannot be had, or None."""
+    global _failure
+    if _loaded is not None or _failure is not None or _library().exists():
+        return _failure
+    import time
+
+    start = time.perf_counter()
+    print(f"gradops: building the native CPU kernels into {build_dir()} (once per torch version, ~1-2 min)",
+          file=sys.stderr, flush=True)
+    try:
+        build()
+    except Exception as err:  # the compiler's or ninja's failure, whatever it is
+        _failure = f"the native CPU kernels could not be built ({type(err).__name__}: {str(err).strip()[:300]})"
+        print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {FIX}",
+              file=sys.stderr)
+        return _failure
+    print(f"gradops: native CPU kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return None
 
 
 def kernels() -> ModuleType:
     """The extension as the CPU kernels' home, whatever ``GRADOPS_NATIVE`` says (that switch chooses the path of a
-    call, not where its kernels come from): loaded on first call, built first when it is not built yet (a one-line
-    notice; raises what the build raises)."""
-    global _loaded
+    call, not where its kernels come from): loaded on first call, built first when needed (:func:`ensure_built`).
+
+    Raises:
+        ImportError: the extension cannot be built or loaded here (:func:`kernels_failure` says why).
+    """
+    global _loaded, _failure
     if _loaded is not None:
         return _loaded
-    library = _library()
-    if not library.exists():
-        print(f"gradops: building the native CPU kernels into {build_dir()} (once per torch version)",
-              file=sys.stderr, flush=True)
-        build()
-    _loaded = _load(library)
-    return _loaded
+    why = ensure_built()
+    if why is None:
+        try:
+            _loaded = _load(_library())
+            return _loaded
+        except Exception as err:  # built against another torch, a damaged file: rebuilt once, then given up
+            why = _rebuild(err)
+            if why is None:
+                return _loaded  # type: ignore[return-value]
+    raise ImportError(why)
+
+
+def _rebuild(err: Exception) -> str | None:
+    """A library that does not load (a damaged cache entry): removed, rebuilt and loaded, with one warning."""
+    global _loaded, _failure
+    import shutil
+    import warnings
+
+    warnings.warn(f"gradops: the native library in {build_dir()} does not load ({type(err).__name__}: {err}); "
+                  "rebuilding it", RuntimeWarning, stacklevel=3)
+    shutil.rmtree(build_dir(), ignore_errors=True)
+    why = ensure_built()
+    if why is not None:
+        return why
+    try:
+        _loaded = _load(_library())
+    except Exception as again:
+        _failure = f"the native library does not load ({type(again).__name__}: {again})"
+        return _failure
+    return None
+
+
+def kernels_failure() -> str | None:
+    """Why the native CPU kernels cannot run in this process, or None (they are loaded, or not tried yet)."""
+    return _failure
 
 
 def _load(library: Path) -> ModuleType:
