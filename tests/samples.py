@@ -171,8 +171,8 @@ def _hardswish_inputs(r, dtypes):
         yield f"range-{tag}", "all three branches", r.uniform(5, 37, lo=-6.0, hi=6.0, dtype=d)
         boundary = torch.tensor([-3.0, 3.0, -3.0001, 3.0001, -2.9999, 2.9999, 0.0, -0.0, -100.0, 100.0])
         yield f"boundaries-{tag}", "exact +-3 (closed interval) and their neighbours", boundary.to(d).to(r.device)
-        # 10 x 21 = 210 items: 6 steps of 32 fp32 items (3 of 64 half items) in the CPU kernel's stepped loop and a
-        # tail of 18 - the boundaries above are too few to reach the steps, which a 10-item tensor skips.
+        # 10 x 21 = 210 items: 26 steps of 8 items in the CPU kernel's vector loop and a tail of 2, each value in four
+        # of the eight lanes - the 10 boundaries above put each value in one lane.
         yield (f"boundaries-steps-{tag}", "+-3 and neighbours inside the stepped vector loop and its tail",
                boundary.repeat(21).to(d).to(r.device))
         yield f"scalar-{tag}", "0-d tensor", r.uniform(lo=-4.0, hi=4.0, dtype=d)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._host import PARALLEL_MIN, row_blocks
+from ._host import row_blocks
 from ._reduce import fold_partials
 from ._views import F32, view1, view2
-from .hardswish import _hardswish_backward_chunk, _hardswish_backward_inplace_chunk, _hardswish_chunk
 from .layer_norm import (
     _backward_block,
     _backward_block_into,
@@ -24,50 +23,22 @@ from .rms_norm import _rms_norm_grad_block, _rms_norm_row_range
 
 
 # ---------------------------------------------------------------- Hardswish
-@piece
-def _hardswish_forward(s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: x, y
-        a = view1(at, _I64, 2)
-        _hardswish_chunk(view1(a[0], s, hi)[lo:], view1(a[1], s, hi)[lo:])
-        return -1
-    return body
-
-
-@piece
-def _hardswish_grad(s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: g, x, dx
-        a = view1(at, _I64, 3)
-        _hardswish_backward_chunk(view1(a[0], s, hi)[lo:], view1(a[1], s, hi)[lo:], view1(a[2], s, hi)[lo:])
-        return -1
-    return body
-
-
-@piece
-def _hardswish_grad_inplace(s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: g (read, then written with dx), x
-        a = view1(at, _I64, 2)
-        _hardswish_backward_inplace_chunk(view1(a[0], s, hi)[lo:], view1(a[1], s, hi)[lo:])
-        return -1
-    return body
-
-
+# One step each: the registered kernels of gradops/native/hardswish.cpp, the Python path's (cpu/hardswish.py).
 def _hardswish(shape, x):
-    n = x.numel()
-    if not n:
+    if not x.numel():
         return None
     p = Program()
     y = p.output(x.shape, x.dtype)
-    p.step(_hardswish_forward(x.dtype), [arg(0), y], n, PARALLEL_MIN)
+    p.kernel("hardswish", [arg(0)], [y])
     return p.returns(y)
 
 
 def _hardswish_backward(shape, grad_output, x):
-    n = x.numel()
-    if not n:
+    if not x.numel():
         return None
     p = Program()
     dx = p.output(x.shape, x.dtype)
-    p.step(_hardswish_grad(x.dtype), [arg(0), arg(1), dx], n, PARALLEL_MIN)
+    p.kernel("hardswish_backward", [arg(0), arg(1)], [dx])
     return p.returns(dx)
 
 
@@ -261,12 +232,6 @@ def _layer_norm_backward(plan, dy, x, mean, rstd, gamma):
     p.step(_fold(torch.float32), [pg, dgamma, nblk, n])
     p.step(_fold(torch.float32), [pb, dbeta, nblk, n])
     return p.returns(dx, dgamma, dbeta)
-
-
-def hardswish_node_pieces(dtype: torch.dtype) -> list[int]:
-    """The native Hardswish node's pieces (autograd.cpp): forward ``(x, y)``, backward ``(g, x, dx)`` and backward
-    into the gradient's own memory ``(g, x)``, each over a span of items."""
-    return [_hardswish_forward(dtype), _hardswish_grad(dtype), _hardswish_grad_inplace(dtype)]
 
 
 def layer_norm_node_pieces(dtype: torch.dtype, gamma_dtype: torch.dtype, beta_dtype: torch.dtype) -> list[int]:

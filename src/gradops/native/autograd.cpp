@@ -302,21 +302,23 @@ void record(const NodeRef& ref, const Tensor& output, const Inputs&... inputs) {
 // Named (not anonymous) so that grad_fn.name() reads gradops_native::..., as torch's read HardswishBackward0.
 namespace gradops_native {
 
-// Hardswish and its backward on contiguous tensors, split over torch's threads: the nodes' kernels, and the public
-// functions' (gradops.hardswish, gradops.hardswish_backward when nothing records them, so that a function between
-// ATen ops does not wake numba's second thread pool, whose spinning threads and torch's then share two cores:
-// hardswish_backward at 4096 x 1024 fp32 was 1.37x ATen's between ATen calls on 2 cores).
-Tensor hardswish_values(const Tensor& x, PieceFn forward) {
+// Hardswish and its backward on contiguous tensors: the nodes' kernels, and the public functions' (gradops.hardswish,
+// gradops.hardswish_backward when nothing records them), the registered hardswish / hardswish_backward
+// (hardswish.cpp) that the Python path and the direct calls run, on torch's threads. ``dx`` may be ``g`` itself
+// (see owned_like): the kernel reads each item before it writes it.
+Tensor hardswish_values(const Tensor& x) {
+  static const gradops::Kernel forward = gradops::find_kernel("hardswish");
+  TORCH_CHECK(forward != nullptr, "gradops.native: no kernel hardswish");
   Tensor y = output(x.sizes(), x.options());
-  const std::array<int64_t, 2> args{addr(x), addr(y)};
-  split(x.numel(), [&](int64_t lo, int64_t hi) { call(forward, args, lo, hi); });
+  forward({x, y, {}, {}});
   return y;
 }
 
-Tensor hardswish_grad(const Tensor& g, const Tensor& x, PieceFn backward) {
-  Tensor dx = output(x.sizes(), x.options());
-  const std::array<int64_t, 3> args{addr(g), addr(x), addr(dx)};
-  split(x.numel(), [&](int64_t lo, int64_t hi) { call(backward, args, lo, hi); });
+Tensor hardswish_grad(const Tensor& g, const Tensor& x, const Tensor& dx) {
+  static const gradops::Kernel backward = gradops::find_kernel("hardswish_backward");
+  TORCH_CHECK(backward != nullptr, "gradops.native: no kernel hardswish_backward");
+  const std::array<Tensor, 2> in{g, x};
+  backward({in, dx, {}, {}});
   return dx;
 }
 
@@ -335,8 +337,6 @@ bool owned_like(const Tensor& g, const Tensor& x) {
 
 struct HardswishBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable self_;
-  PieceFn kernel_ = nullptr;
-  PieceFn in_place_ = nullptr;  // the kernel writing dx into g (see owned_like)
 
   std::string name() const override { return "gradops_native::HardswishBackward"; }
   void release_variables() override { self_.reset_data(); }
@@ -349,23 +349,19 @@ struct HardswishBackward : public torch::autograd::Node {
     }
     if (owned_like(grads[0], x)) {
       Tensor g = std::move(grads[0]);
-      const std::array<int64_t, 2> args{addr(g), addr(x)};
-      split(x.numel(), [&](int64_t lo, int64_t hi) { call(in_place_, args, lo, hi); });
-      return {g};
+      return {hardswish_grad(g, x, g)};
     }
-    return {hardswish_grad(grads[0].contiguous(), x, kernel_)};
+    return {hardswish_grad(grads[0].contiguous(), x, output(x.sizes(), x.options()))};
   }
 };
 
 // Hardswish of a contiguous x, recorded when x requires grad (the caller checked grad mode: see recordable).
-Tensor hardswish_node(const Tensor& x, const Kernels& kernels) {
-  Tensor y = hardswish_values(x, reinterpret_cast<PieceFn>(kernels[0]));
+Tensor hardswish_node(const Tensor& x) {
+  Tensor y = hardswish_values(x);
   if (at::GradMode::is_enabled() && x.requires_grad()) {
     NodeRef ref = make_node<HardswishBackward>();
     auto* node = static_cast<HardswishBackward*>(ref.get());
     node->self_ = torch::autograd::SavedVariable(x, /*is_output=*/false);
-    node->kernel_ = reinterpret_cast<PieceFn>(kernels[1]);
-    node->in_place_ = reinterpret_cast<PieceFn>(kernels[2]);
     record(ref, y, x);
   }
   return y;
@@ -704,7 +700,7 @@ py::object hardswish_planned(py::handle x) {
   std::vector<int64_t>& key = key_buffer();
   const Plan* plan = add_key(key, t) ? find_plan(kHardswish, key, 0.0) : nullptr;
   if (plan == nullptr) return py::none();
-  return py::cast(gradops_native::hardswish_node(t, plan->kernels));
+  return py::cast(gradops_native::hardswish_node(t));
 }
 
 py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, double eps) {
@@ -810,7 +806,7 @@ void require_whole(const Tensor& t, const char* name) {
 Tensor hardswish(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
   require_whole(x, "x");
-  return gradops_native::hardswish_node(x, kernels);
+  return gradops_native::hardswish_node(x);
 }
 
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Kernels kernels) {
@@ -832,7 +828,7 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
 Tensor hardswish_function(const Tensor& x, Kernels kernels) {
   check_kernels(kHardswish, kernels);
   require_whole(x, "x");
-  return gradops_native::hardswish_values(x, reinterpret_cast<PieceFn>(kernels[0]));
+  return gradops_native::hardswish_values(x);
 }
 
 Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
@@ -840,7 +836,7 @@ Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels ker
   require_whole(g, "grad_output");
   require_whole(x, "x");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
-  return gradops_native::hardswish_grad(g, x, reinterpret_cast<PieceFn>(kernels[1]));
+  return gradops_native::hardswish_grad(g, x, output(x.sizes(), x.options()));
 }
 
 void set_differentiable(int64_t op, py::object fn) {

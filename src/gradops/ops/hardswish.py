@@ -15,26 +15,23 @@ from ._plan import Planner
 
 
 def _native_entry(choice, shape, x: Tensor):
-    """The native Hardswish node and its kernels' addresses for x's dtype, or None (see :mod:`gradops.native`)."""
+    """The native Hardswish node, or None (see :mod:`gradops.native`); no kernel addresses: the node calls the
+    extension's registered ``hardswish`` / ``hardswish_backward`` kernels itself."""
     node = native.node("hardswish", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import program_norms
-
-    return node, program_norms.hardswish_node_pieces(x.dtype)
+    return node, []
 
 
 def _function_entry(name: str):
-    """The plans' ``native`` hook of the public functions: the extension's ``name`` and the kernels for the dtype,
-    or None (see :func:`gradops.native.function`)."""
+    """The plans' ``native`` hook of the public functions: the extension's ``name`` (no kernel addresses: it calls
+    the registered kernels), or None (see :func:`gradops.native.function`)."""
 
     def entry(choice, shape, *args: Tensor):
         fn = native.function(name)
         if fn is None:
             return None
-        from ..cpu import program_norms
-
-        return fn, program_norms.hardswish_node_pieces(args[-1].dtype)
+        return fn, []
 
     return entry
 
