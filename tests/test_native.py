@@ -125,11 +125,11 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
 def test_thresholds_agree_with_the_python_path():
     """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies), and the output pool
     serves from the floor gradops.cpu._pool tests before asking it."""
-    from gradops.cpu import _host, _pool, embedding
+    from gradops.cpu import _host, _pool
 
     ext = native.module()
-    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.BLOCK_ITEMS, ext.TABLE_ROWS) == (
-        _host.PARALLEL_MIN, _host.ROW_BLOCKS, _host.BLOCK_ITEMS, embedding._ROWS)
+    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.BLOCK_ITEMS) == (
+        _host.PARALLEL_MIN, _host.ROW_BLOCKS, _host.BLOCK_ITEMS)
     assert ext.POOL_MIN == _pool.MIN_BYTES
 
 

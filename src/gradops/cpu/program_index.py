@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._host import PARALLEL_MIN
 from ._views import view1, view2
-from .embedding import _ROWS, _counting_sort, _first_outside, _gather_block, _lookup_rows, _sparse_segments
 from .moe_permute import (
     _COPIES,
     _LANES,
@@ -21,109 +19,34 @@ from .moe_permute import (
     _unpermute_grad_chunk,
 )
 from .programs import I64 as _I64
-from .programs import Program, arg, blocks_grain, chunks, piece, rows_grain
-
+from .programs import Program, arg, blocks_grain, chunks, piece
 
 # ---------------------------------------------------------------- embedding (the lookup) and its backward
-@piece
-def _embedding_check(i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, n, v
-        a = view1(at, _I64, 3)
-        return _first_outside(view1(a[0], i_s, a[1]), a[2])
-    return body
-
-
-@piece
-def _embedding_sort(i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, offsets, order, n, v
-        a = view1(at, _I64, 5)
-        n, v = a[3], a[4]
-        return _counting_sort(view1(a[0], i_s, n), v, view1(a[1], _I64, v + 1), view1(a[2], _I64, n))
-    return body
-
-
-@piece
-def _embedding_table(s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: grad, offsets, order, out, n, e, v, padding, scale
-        a = view1(at, _I64, 9)
-        n, e, v = a[4], a[5], a[6]
-        grad, out = view2(a[0], s, n, e), view2(a[3], s, v, e)
-        offsets, order = view1(a[1], _I64, v + 1), view1(a[2], _I64, n)
-        acc = np.empty(e, dtype=np.float32)
-        for c in range(lo, hi):
-            _gather_block(grad, offsets, order, a[7], a[8] != 0, out, c, acc)
-        return -1
-    return body
-
-
-@piece
-def _embedding_order(i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: idx, order, n, v
-        a = view1(at, _I64, 4)
-        idx = view1(a[0], i_s, a[2])
-        bad = _first_outside(idx, a[3])
-        if bad < 0:
-            view1(a[1], _I64, a[2])[:] = np.argsort(idx, kind="mergesort")
-        return bad
-    return body
-
-
-@piece
-def _embedding_rows(s, i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: grad, idx, order, out, n, e, v, padding, scale
-        a = view1(at, _I64, 9)
-        n, e, v = a[4], a[5], a[6]
-        _sparse_segments(view2(a[0], s, n, e), view1(a[1], i_s, n), view1(a[2], _I64, n), a[7], a[8] != 0,
-                         view2(a[3], s, v, e), lo, hi, np.empty(e, dtype=np.float32))
-        return -1
-    return body
-
-
-@piece
-def _embedding_lookup(s, i_s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: weight, idx, out, n, e, v
-        a = view1(at, _I64, 6)
-        n, e, v = a[3], a[4], a[5]
-        _lookup_rows(view2(a[0], s, v, e), view1(a[1], i_s, n), view2(a[2], s, n, e), lo, hi)
-        return -1
-    return body
+_EMBEDDING_INDICES = (torch.int32, torch.int64)
 
 
 def _embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
-    """The lookup that nothing records (the Python path: the range test, then ATen's index_select; padding and
-    scaling only shape the backward)."""
-    n = indices.numel()
-    v, e = weight.shape
-    if not n or not e or indices.dtype not in (torch.int32, torch.int64):
+    """The lookup that nothing records: the native kernel ``embedding`` (the range test, then the rows, a copy of
+    storage items: the bits of the Python path's index_select; padding and scaling only shape the backward). None
+    for an empty result: the Python path's."""
+    if not indices.numel() or not weight.shape[1] or indices.dtype not in _EMBEDDING_INDICES:
         return None
     p = Program()
-    out = p.output((*indices.shape, e), weight.dtype)
-    p.step(_embedding_check(indices.dtype), [arg(1), n, v])
-    p.step(_embedding_lookup(weight.dtype, indices.dtype), [arg(0), arg(1), out, n, e, v], n, rows_grain(n, e))
+    out = p.output((*indices.shape, weight.shape[1]), weight.dtype)
+    p.kernel("embedding", [arg(0), arg(1)], [out])
     return p.returns(out)
 
 
 def _embedding_dense_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """The backward: the native kernel ``embedding_dense_backward`` (the sort, also the range test, then every row
+    of the table once). None for no index, no column or no row: the Python path's."""
     n, e = plan
-    v = num_weights
-    if not n or not e or not v or indices.dtype not in (torch.int32, torch.int64):
+    if not n or not e or not num_weights or indices.dtype not in _EMBEDDING_INDICES:
         return None
-    pad = padding_idx if 0 <= padding_idx < v else -1
-    scale = bool(scale_grad_by_freq)
     p = Program()
-    if n < v:  # few indices in a large table: zero it, then the touched rows (the Python path's _sparse)
-        out = p.output((v, e), grad.dtype, zero=True)
-        order = p.buffer((n,), torch.int64)
-        p.step(_embedding_order(indices.dtype), [arg(1), order, n, v])
-        p.step(_embedding_rows(grad.dtype, indices.dtype), [arg(0), arg(1), order, out, n, e, v, pad, scale], n,
-               n if n * e < PARALLEL_MIN else max(1, PARALLEL_MIN // e))
-    else:  # the counting sort (also the range test), then every row of the table once, in fixed blocks
-        out = p.output((v, e), grad.dtype)
-        offsets, order = p.buffer((v + 1,), torch.int64), p.buffer((n,), torch.int64)
-        blocks = chunks(v, _ROWS)
-        p.step(_embedding_sort(indices.dtype), [arg(1), offsets, order, n, v])
-        p.step(_embedding_table(grad.dtype), [arg(0), offsets, order, out, n, e, v, pad, scale], blocks,
-               blocks_grain(blocks, v * e))
+    out = p.output((num_weights, e), grad.dtype)
+    pad = padding_idx if 0 <= padding_idx < num_weights else -1
+    p.kernel("embedding_dense_backward", [arg(0), arg(1)], [out], [num_weights, pad, int(bool(scale_grad_by_freq))])
     return p.returns(out)
 
 
@@ -275,14 +198,6 @@ def _moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, sorted_ind
            [arg(0), arg(1), arg(2), weights, dx, dp_at, a, h, tokens, total, topk], pieces,
            blocks_grain(pieces, tokens * h * max(topk, 1)))
     return p.returns(dx, dp)
-
-
-def embedding_node_pieces(dtype: torch.dtype, index_dtype: torch.dtype) -> list[int]:
-    """The native Embedding node's pieces (autograd.cpp): the range test ``(idx, n, v)`` of its forward, the
-    backward's counting sort, table blocks, sorted order and sorted runs, and the forward's rows - the direct calls'
-    own."""
-    return [_embedding_check(index_dtype), _embedding_sort(index_dtype), _embedding_table(dtype),
-            _embedding_order(index_dtype), _embedding_rows(dtype, index_dtype), _embedding_lookup(dtype, index_dtype)]
 
 
 BUILDERS = {

@@ -68,9 +68,6 @@ PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-// Table rows per block of the embedding backward: gradops.cpu.embedding's block rows.
-constexpr int64_t kTableRows = 64;
-
 using gradops::row_blocks;
 
 // A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
@@ -469,14 +466,11 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 }
 
 // The embedding lookup, weight (V, E) rows at the indices; backward aclnnEmbeddingDenseBackward into a new table.
+// Both run the family's registered kernels (embedding.cpp), the ones the Python path and the direct calls run.
 struct EmbeddingBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable indices_;
   int64_t num_weights_ = 0, padding_ = -1;
   bool scale_ = false;
-  PieceFn sort_ = nullptr;
-  PieceFn blocks_ = nullptr;
-  PieceFn sparse_order_ = nullptr;
-  PieceFn sparse_rows_ = nullptr;
 
   std::string name() const override { return "gradops_native::EmbeddingBackward"; }
   void release_variables() override { indices_.reset_data(); }
@@ -486,69 +480,41 @@ struct EmbeddingBackward : public torch::autograd::Node {
   }
 
   variable_list apply(variable_list&& grads) override {
+    static const gradops::Kernel backward = gradops::find_kernel("embedding_dense_backward");
+    TORCH_CHECK(backward != nullptr, "gradops.native: no kernel embedding_dense_backward");
     Tensor idx = indices_.unpack(getptr());
     // Indices freed after the forward (see gradops::hollow): the op refuses them with its OpError.
     if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || gradops::hollow(idx)) return python(grads[0], idx);
-    const int64_t n = idx.numel(), v = num_weights_, e = grads[0].size(-1);
     Tensor grad = grads[0].contiguous();
-    Tensor table = output({v, e}, grad.options());
-    int64_t bad;
-    at::TensorOptions i64 = idx.options().dtype(at::kLong);
-    if (n < v) {  // few indices in a large table: zero it (torch's parallel fill), then the touched rows
-      table.zero_();
-      Tensor order = at::empty({n}, i64);
-      bad = call(sparse_order_, std::array<int64_t, 4>{addr(idx), addr(order), n, v}, 0, 1);
-      if (bad < 0 && e > 0) {  // runs of equal indices split over the threads by their first sorted position
-        const std::array<int64_t, 9> args{addr(grad), addr(idx), addr(order), addr(table), n, e, v, padding_, scale_};
-        parallel(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, kParallelMin / e),
-                 [&](int64_t p0, int64_t p1) { call(sparse_rows_, args, p0, p1); });
-      }
-    } else {  // the counting sort, then every row of the table once, in fixed blocks of rows
-      Tensor offsets = at::empty({v + 1}, i64);
-      Tensor order = at::empty({n}, i64);
-      bad = call(sort_, std::array<int64_t, 5>{addr(idx), addr(offsets), addr(order), n, v}, 0, 1);
-      if (bad < 0 && v > 0 && e > 0) {
-        const int64_t blocks = (v + kTableRows - 1) / kTableRows;
-        const std::array<int64_t, 9> args{addr(grad), addr(offsets), addr(order), addr(table), n, e, v, padding_,
-                                          scale_};
-        parallel(0, blocks, v * e < kParallelMin ? blocks : 1,
-                 [&](int64_t c0, int64_t c1) { call(blocks_, args, c0, c1); });
-      }
-    }
+    Tensor table = output({num_weights_, grad.size(-1)}, grad.options());
+    const std::array<Tensor, 2> in{grad, idx};
+    const std::array<int64_t, 3> ints{num_weights_, padding_, scale_};
     // An index outside the table: the saved indices were changed behind autograd's back (.data, numpy). The op
     // raises its OpError for them.
-    if (bad >= 0) return python(grads[0], idx);
+    if (backward({in, table, ints, {}}) >= 0) return python(grads[0], idx);
     return {table};
   }
 };
 
 // weight[indices] for contiguous weight (V, E) and int32 / int64 indices, recorded when weight requires grad; an
 // undefined tensor when an index lies outside the table (the caller's Python path raises the OpError).
-Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale,
-                      const Kernels& kernels) {
-  const int64_t n = indices.numel(), v = weight.size(0), e = weight.size(1);
-  if (call(reinterpret_cast<PieceFn>(kernels[0]), std::array<int64_t, 3>{addr(indices), n, v}, 0, 1) >= 0) {
-    return Tensor();
-  }
+Tensor embedding_node(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale) {
+  static const gradops::Kernel lookup = gradops::find_kernel("embedding");
+  TORCH_CHECK(lookup != nullptr, "gradops.native: no kernel embedding");
   std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
-  shape.push_back(e);
+  shape.push_back(weight.size(1));
   Tensor y = output(shape, weight.options());
-  // The rows: the direct lookup's piece (a copy of storage items, the bits of the Python path's index_select),
-  // split as its program splits them. ATen's index_select_out here cost ~1.5 µs of dispatch at 8 x 8.
-  const std::array<int64_t, 6> rows{addr(weight), addr(indices), addr(y), n, e, v};
-  parallel(0, n, n * e < kParallelMin ? n : std::max<int64_t>(1, (kParallelMin + e - 1) / e),
-           [&](int64_t lo, int64_t hi) { call(reinterpret_cast<PieceFn>(kernels[5]), rows, lo, hi); });
+  // The rows: a copy of storage items, the bits of the Python path's index_select, after the range test. ATen's
+  // index_select_out here cost ~1.5 µs of dispatch at 8 x 8.
+  const std::array<Tensor, 2> in{weight, indices};
+  if (lookup({in, y, {}, {}}) >= 0) return Tensor();
   if (at::GradMode::is_enabled() && weight.requires_grad()) {
     NodeRef ref = make_node<EmbeddingBackward>();
     auto* node = static_cast<EmbeddingBackward*>(ref.get());
     node->indices_ = torch::autograd::SavedVariable(indices, false);
-    node->num_weights_ = v;
+    node->num_weights_ = weight.size(0);
     node->padding_ = padding;
     node->scale_ = scale;
-    node->sort_ = reinterpret_cast<PieceFn>(kernels[1]);
-    node->blocks_ = reinterpret_cast<PieceFn>(kernels[2]);
-    node->sparse_order_ = reinterpret_cast<PieceFn>(kernels[3]);
-    node->sparse_rows_ = reinterpret_cast<PieceFn>(kernels[4]);
     record(ref, y, weight);
   }
   return y;
@@ -645,7 +611,7 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 }
 
 // The number of kernel pieces each op's node calls (gradops.cpu.programs): a node indexes them unchecked.
-constexpr size_t kKernelCount[kOps] = {3, 4, 6};
+constexpr size_t kKernelCount[kOps] = {3, 4, 0};
 
 void check_kernels(Op op, const Kernels& kernels) {
   // An op whose node calls its registered kernels (kernels.h) by themselves takes no addresses.
@@ -727,7 +693,7 @@ py::object embedding_planned(py::handle weight, py::handle indices, int64_t padd
   key.push_back(scale);
   const Plan* plan = find_plan(kEmbedding, key, 0.0);
   if (plan == nullptr) return py::none();
-  Tensor y = gradops_native::embedding_node(tw, ti, padding, scale, plan->kernels);
+  Tensor y = gradops_native::embedding_node(tw, ti, padding, scale);
   return y.defined() ? py::cast(y) : py::none();
 }
 
@@ -821,7 +787,7 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
   check_kernels(kEmbedding, kernels);
   require_whole(weight, "weight");
   require_whole(indices, "indices");
-  Tensor y = gradops_native::embedding_node(weight, indices, padding, scale, kernels);
+  Tensor y = gradops_native::embedding_node(weight, indices, padding, scale);
   return y.defined() ? py::cast(y) : py::none();
 }
 
@@ -856,7 +822,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
   m.attr("POOL_MIN") = kPoolMin;
   m.attr("EMBEDDING") = static_cast<int64_t>(kEmbedding);
-  m.attr("TABLE_ROWS") = kTableRows;
   m.def("hardswish", &hardswish, "Hardswish on a contiguous x; backward aclnnHardswishBackward");
   m.def("layer_norm", &layer_norm, "LayerNorm y of a contiguous x (..., N); backward the fused LayerNorm backward");
   m.def("embedding", &embedding, "weight[indices], contiguous; backward aclnnEmbeddingDenseBackward; None for an index "

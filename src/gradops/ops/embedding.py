@@ -210,15 +210,15 @@ _NATIVE_INDICES = (torch.int32, torch.int64)
 
 
 def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool):
-    """The native Embedding node and its kernels' addresses for these dtypes, or None (see :mod:`gradops.native`)."""
+    """The native Embedding node for these dtypes, or None (see :mod:`gradops.native`). It runs the registered
+    kernels ``embedding`` and ``embedding_dense_backward`` (native/embedding.cpp) itself: no addresses to hand
+    over."""
     if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
         return None
     node = native.node("embedding", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import program_index
-
-    return node, program_index.embedding_node_pieces(weight.dtype, indices.dtype)
+    return node, []
 
 
 # The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
