@@ -92,14 +92,18 @@ def _thread_cases():
 
 @pytest.mark.parametrize("fn,args", list(_thread_cases()))
 def test_bitwise_identical_whatever_the_thread_count(fn, args):
-    before = numba.get_num_threads()
+    """Both pools: numba's (the numba kernels) and torch's intra-op threads (the native kernels, kernels.h)."""
+    before, torch_before = numba.get_num_threads(), torch.get_num_threads()
     try:
         numba.set_num_threads(1)
+        torch.set_num_threads(1)
         one = _as_tuple(fn(*args))
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        torch.set_num_threads(2)
         two = _as_tuple(fn(*args))
     finally:
         numba.set_num_threads(before)
+        torch.set_num_threads(torch_before)
     for a, b in zip(one, two):
         assert torch.equal(_bits(a), _bits(b))
 
@@ -109,7 +113,7 @@ def test_serial_and_parallel_loops_give_the_same_bits():
     parallel loops run: the bits do not depend on which loop ran them."""
     import numpy as np
 
-    rn, ln = importlib.import_module("gradops.cpu.rms_norm"), importlib.import_module("gradops.cpu.layer_norm")
+    rn = importlib.import_module("gradops.cpu.rms_norm")
     from gradops.cpu._host import PARALLEL_MIN, row_blocks
     from gradops.cpu._reduce import fold_partials
 
@@ -125,10 +129,12 @@ def test_serial_and_parallel_loops_give_the_same_bits():
     rn._rms_norm_grad_parallel(dy.numpy(), x.numpy(), rstd.numpy(), gamma.numpy(), dx2, partial)
     fold_partials(partial, dgamma2)
     assert torch.equal(dx, torch.from_numpy(dx2)) and torch.equal(dgamma, torch.from_numpy(dgamma2))
+    # LayerNorm's native kernel chooses its loop from the shape: the same rows inside an input large enough for the
+    # parallel one
+    big = torch.cat([x, torch.randn(PARALLEL_MIN // n + 1, n, generator=g)])
     y, mean, var = cpu.layer_norm(x, gamma, beta, 1e-5)
-    y2, mean2, var2 = np.empty((m, n), np.float32), np.empty(m, np.float32), np.empty(m, np.float32)
-    ln._layer_norm_parallel(x.numpy(), gamma.numpy(), beta.numpy(), np.float32(1e-5), y2, mean2, var2)
-    assert all(torch.equal(a, torch.from_numpy(b)) for a, b in ((y, y2), (mean, mean2), (var, var2)))
+    y2, mean2, var2 = cpu.layer_norm(big, gamma, beta, 1e-5)
+    assert all(torch.equal(a, b[:m]) for a, b in ((y, y2), (mean, mean2), (var, var2)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -68,8 +68,6 @@ PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-using gradops::row_blocks;
-
 // A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
 using Kernels = std::vector<int64_t>;
 
@@ -366,13 +364,12 @@ Tensor hardswish_node(const Tensor& x) {
 
 
 // LayerNorm over the last dim, y only (what torch.nn.LayerNorm returns): mean and variance stay inside the node.
+// Forward and backward run the family's registered kernels (layer_norm.cpp), the ones the Python path and the
+// direct calls run.
 struct LayerNormBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable x_, gamma_, mean_, var_;
   double eps_ = 0.0;
   at::ScalarType beta_dtype_ = at::kFloat;
-  PieceFn blocks_ = nullptr;
-  PieceFn fold_ = nullptr;
-  PieceFn blocks_into_ = nullptr;  // the row blocks writing dx into g (see owned_like)
 
   std::string name() const override { return "gradops_native::LayerNormBackward"; }
   void release_variables() override {
@@ -383,6 +380,8 @@ struct LayerNormBackward : public torch::autograd::Node {
   }
 
   variable_list apply(variable_list&& grads) override {
+    static const gradops::Kernel backward = gradops::find_kernel("layer_norm_backward");
+    TORCH_CHECK(backward != nullptr, "gradops.native: no kernel layer_norm_backward");
     auto self = getptr();
     Tensor x = x_.unpack(self), gamma = gamma_.unpack(self), mean = mean_.unpack(self), var = var_.unpack(self);
     // x or gamma (the caller's tensors; mean and var are the node's own) freed after the forward, as FSDP frees a
@@ -408,46 +407,41 @@ struct LayerNormBackward : public torch::autograd::Node {
     at::TensorOptions f32 = x.options().dtype(at::kFloat);
     Tensor dgamma = at::empty(gamma.sizes(), f32);
     Tensor dbeta = at::empty(gamma.sizes(), f32);
-    // Fixed row blocks, each with its own partial row: the Python path's (gradops.cpu._host.row_blocks).
-    const int64_t blocks = row_blocks(m, n);
-    Tensor pg = at::empty({blocks, n}, f32);
-    Tensor pb = at::empty({blocks, n}, f32);
-    const int64_t grain = m * n < kParallelMin ? blocks : 1;
-    Tensor dx;
+    Tensor dy, dx;
     if (owned_like(grads[0], x)) {
-      // dx over the gradient nobody else holds, as Hardswish's (the row blocks read each element of a row before
-      // they write it): at 512 x 256 fp32 the row blocks took 36.4 µs against 41.7 into a new dx (one thread, one
+      // dx over the gradient nobody else holds, as Hardswish's (the kernel reads each element of a row before it
+      // writes it): at 512 x 256 fp32 the row blocks took 36.4 µs against 41.7 into a new dx (one thread, one
       // process), and forward + backward 0.93x torch against 0.94-0.95 (three alternating runs each, 2
       // cores).
       dx = std::move(grads[0]);
-      const std::array<int64_t, 10> args{addr(dx), addr(x), addr(mean), addr(rstd), addr(gamma), addr(pg), addr(pb),
-                                         m, n, blocks};
-      parallel(0, blocks, grain, [&](int64_t b0, int64_t b1) { call(blocks_into_, args, b0, b1); });
+      dy = dx;
     } else {
-      Tensor dy = grads[0].contiguous();
+      dy = grads[0].contiguous();
       dx = output(x.sizes(), x.options());
-      const std::array<int64_t, 11> args{addr(dy), addr(x), addr(mean), addr(rstd), addr(gamma), addr(dx),
-                                         addr(pg), addr(pb), m, n, blocks};
-      parallel(0, blocks, grain, [&](int64_t b0, int64_t b1) { call(blocks_, args, b0, b1); });
     }
-    call(fold_, std::array<int64_t, 4>{addr(pg), addr(dgamma), blocks, n}, 0, 1);
-    call(fold_, std::array<int64_t, 4>{addr(pb), addr(dbeta), blocks, n}, 0, 1);
+    const std::array<Tensor, 5> in{dy, x, mean, rstd, gamma};
+    const std::array<Tensor, 3> out{dx, dgamma, dbeta};
+    const std::array<int64_t, 3> ints{m, n, 0};  // rstd from the node's own variance: never negative, unchecked
+    backward({in, out, ints, {}});
     return {dx, dgamma.to(gamma.scalar_type()), dbeta.to(beta_dtype_)};
   }
 };
 
 // LayerNorm y of a contiguous x (..., N) with contiguous gamma, beta (N,); recorded when one of them requires grad.
-Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, const Kernels& kernels) {
+Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps) {
+  static const gradops::Kernel forward = gradops::find_kernel("layer_norm");
+  TORCH_CHECK(forward != nullptr, "gradops.native: no kernel layer_norm");
   const int64_t n = x.size(-1);
   const int64_t m = x.numel() / n;
   Tensor y = output(x.sizes(), x.options());
   at::TensorOptions f32 = x.options().dtype(at::kFloat);
   Tensor mean = at::empty({m}, f32);
   Tensor var = at::empty({m}, f32);
-  const std::array<int64_t, 9> args{addr(x), addr(gamma), addr(beta), addr(y), addr(mean), addr(var), m, n,
-                                    gradops::float_bits(eps)};
-  parallel(0, m, (kParallelMin + n - 1) / n,
-           [&](int64_t lo, int64_t hi) { call(reinterpret_cast<PieceFn>(kernels[0]), args, lo, hi); });
+  const std::array<Tensor, 3> in{x, gamma, beta};
+  const std::array<Tensor, 3> out{y, mean, var};
+  const std::array<int64_t, 2> ints{m, n};
+  const std::array<double, 1> floats{eps};
+  forward({in, out, ints, floats});
   if (at::GradMode::is_enabled() && (x.requires_grad() || gamma.requires_grad() || beta.requires_grad())) {
     NodeRef ref = make_node<LayerNormBackward>();
     auto* node = static_cast<LayerNormBackward*>(ref.get());
@@ -457,9 +451,6 @@ Tensor layer_norm_node(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     node->var_ = torch::autograd::SavedVariable(var, false);
     node->eps_ = eps;
     node->beta_dtype_ = beta.scalar_type();
-    node->blocks_ = reinterpret_cast<PieceFn>(kernels[1]);
-    node->fold_ = reinterpret_cast<PieceFn>(kernels[2]);
-    node->blocks_into_ = reinterpret_cast<PieceFn>(kernels[3]);
     record(ref, y, x, gamma, beta);
   }
   return y;
@@ -611,7 +602,7 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 }
 
 // The number of kernel pieces each op's node calls (gradops.cpu.programs): a node indexes them unchecked.
-constexpr size_t kKernelCount[kOps] = {3, 4, 0};
+constexpr size_t kKernelCount[kOps] = {3, 0, 0};
 
 void check_kernels(Op op, const Kernels& kernels) {
   // An op whose node calls its registered kernels (kernels.h) by themselves takes no addresses.
@@ -679,7 +670,7 @@ py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, d
   const Plan* plan =
       add_key(key, tx) && add_key(key, tg) && add_key(key, tb) ? find_plan(kLayerNorm, key, eps) : nullptr;
   if (plan == nullptr) return py::none();
-  return py::cast(gradops_native::layer_norm_node(tx, tg, tb, eps, plan->kernels));
+  return py::cast(gradops_native::layer_norm_node(tx, tg, tb, eps));
 }
 
 py::object embedding_planned(py::handle weight, py::handle indices, int64_t padding, bool scale) {
@@ -780,7 +771,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, doub
   require_whole(x, "x");
   require_whole(gamma, "gamma");
   require_whole(beta, "beta");
-  return gradops_native::layer_norm_node(x, gamma, beta, eps, kernels);
+  return gradops_native::layer_norm_node(x, gamma, beta, eps);
 }
 
 py::object embedding(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale, Kernels kernels) {

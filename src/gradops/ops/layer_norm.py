@@ -32,16 +32,14 @@ def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: fl
 
 
 def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon: float):
-    """The native LayerNorm node and its kernels' addresses for these dtypes, or None (an empty x; see
-    :mod:`gradops.native`)."""
+    """The native LayerNorm node, or None (an empty x; see :mod:`gradops.native`), with no kernel addresses: the
+    node calls the extension's registered layer_norm kernels (native/layer_norm.cpp) itself."""
     if not plan.rows or not plan.cols:
         return None
     node = native.node("layer_norm", _differentiable_backward)
     if node is None:
         return None
-    from ..cpu import program_norms
-
-    return node, program_norms.layer_norm_node_pieces(x.dtype, gamma.dtype, beta.dtype)
+    return node, []
 
 
 plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
