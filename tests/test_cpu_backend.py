@@ -109,32 +109,22 @@ def test_bitwise_identical_whatever_the_thread_count(fn, args):
 
 
 def test_serial_and_parallel_loops_give_the_same_bits():
-    """Below PARALLEL_MIN items the entries loop serially over the same per-row / per-block functions that the
-    parallel loops run: the bits do not depend on which loop ran them."""
-    import numpy as np
-
-    rn = importlib.import_module("gradops.cpu.rms_norm")
-    from gradops.cpu._host import PARALLEL_MIN, row_blocks
-    from gradops.cpu._reduce import fold_partials
+    """Below PARALLEL_MIN items a kernel runs its rows on the calling thread, above it splits them over threads: the
+    bits of a row do not depend on which loop ran it (LayerNorm's and RmsNorm's forwards: the same rows alone, and
+    inside an input large enough for the parallel loop)."""
+    from gradops.cpu._host import PARALLEL_MIN
 
     g = torch.Generator().manual_seed(9)
-    m, n = 37, 50  # 1850 items: the serial loops
+    m, n = 37, 50  # 1850 items: the serial loop
     assert m * n < PARALLEL_MIN
-    x, dy, gamma, beta = (torch.randn(m, n, generator=g), torch.randn(m, n, generator=g), torch.randn(n, generator=g),
-                          torch.randn(n, generator=g))
-    rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
-    dx, dgamma = cpu.rms_norm_grad(dy, x, rstd, gamma)
-    dx2, dgamma2 = np.empty((m, n), np.float32), np.empty(n, np.float32)
-    partial = np.empty((row_blocks(m, n), n), np.float32)
-    rn._rms_norm_grad_parallel(dy.numpy(), x.numpy(), rstd.numpy(), gamma.numpy(), dx2, partial)
-    fold_partials(partial, dgamma2)
-    assert torch.equal(dx, torch.from_numpy(dx2)) and torch.equal(dgamma, torch.from_numpy(dgamma2))
-    # LayerNorm's native kernel chooses its loop from the shape: the same rows inside an input large enough for the
-    # parallel one
-    big = torch.cat([x, torch.randn(PARALLEL_MIN // n + 1, n, generator=g)])
+    x, gamma, beta = torch.randn(m, n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)
+    big = torch.cat([x, torch.randn(PARALLEL_MIN // n + 1, n, generator=g)])  # the parallel loop
     y, mean, var = cpu.layer_norm(x, gamma, beta, 1e-5)
     y2, mean2, var2 = cpu.layer_norm(big, gamma, beta, 1e-5)
     assert all(torch.equal(a, b[:m]) for a, b in ((y, y2), (mean, mean2), (var, var2)))
+    y, rstd = cpu.rms_norm(x, gamma, 1e-6)
+    y2, rstd2 = cpu.rms_norm(big, gamma, 1e-6)
+    assert torch.equal(y, y2[:m]) and torch.equal(rstd, rstd2[:m])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

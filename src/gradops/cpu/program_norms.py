@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ._host import row_blocks
-from ._reduce import fold_partials
-from ._views import F32, view1, view2
-from .programs import F64 as _F64
-from .programs import I64 as _I64
-from .programs import Program, arg, blocks_grain, piece, rows_grain
-from .rms_norm import _rms_norm_grad_block, _rms_norm_row_range
+from .programs import Program, arg
 
 
 # ---------------------------------------------------------------- Hardswish
@@ -35,48 +28,13 @@ def _hardswish_backward(shape, grad_output, x):
 
 
 # ---------------------------------------------------------------- RmsNorm
-@piece
-def _rms_norm_rows(s, gs):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: x, gamma, y, rstd, m, n, eps
-        a, f = view1(at, _I64, 7), view1(at, _F64, 7)
-        m, n = a[4], a[5]
-        x, gamma, y, rstd = view2(a[0], s, m, n), view1(a[1], gs, n), view2(a[2], s, m, n), view1(a[3], F32, m)
-        eps = np.float32(f[6])
-        _rms_norm_row_range(x, gamma, eps, y, rstd, lo, hi)
-        return -1
-    return body
-
-
-@piece
-def _rms_norm_grad_blocks(s, gs):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: dy, x, rstd, gamma, dx, partial, m, n, nblk
-        a = view1(at, _I64, 9)
-        m, n, nblk = a[6], a[7], a[8]
-        dy, x, dx = view2(a[0], s, m, n), view2(a[1], s, m, n), view2(a[4], s, m, n)
-        rstd, gamma, partial = view1(a[2], F32, m), view1(a[3], gs, n), view2(a[5], F32, nblk, n)
-        for b in range(lo, hi):
-            _rms_norm_grad_block(dy, x, rstd, gamma, dx, partial, b)
-        return -1
-    return body
-
-
-@piece
-def _fold(s):
-    def body(at, lo, hi):  # pragma: no cover - compiled; args: partials (f32 blocks x n), out (n, in s), blocks, n
-        a = view1(at, _I64, 4)
-        fold_partials(view2(a[0], F32, a[2], a[3]), view1(a[1], s, a[3]))
-        return -1
-    return body
-
-
 def _rms_norm(plan, x, gamma, epsilon):
     m, n = plan.rows, plan.cols
     if not m or not n:
         return None
     p = Program()
     y, rstd = p.output(x.shape, x.dtype), p.output(plan.rstd_shape, torch.float32)
-    p.step(_rms_norm_rows(x.dtype, gamma.dtype), [arg(0), arg(1), y, rstd, m, n, float(epsilon)], m,
-           rows_grain(m, n))
+    p.kernel("rms_norm", [arg(0), arg(1)], [y, rstd], [m, n], [float(epsilon)])
     return p.returns(y, rstd)
 
 
@@ -84,13 +42,9 @@ def _rms_norm_grad(plan, dy, x, rstd, gamma):
     m, n = plan.rows, plan.cols
     if not m or not n or rstd.dtype != torch.float32:
         return None
-    nblk = row_blocks(m, n)
     p = Program()
     dx, dgamma = p.output(dy.shape, dy.dtype), p.output(gamma.shape, torch.float32)
-    partial = p.buffer((nblk, n), torch.float32)
-    p.step(_rms_norm_grad_blocks(x.dtype, gamma.dtype), [arg(0), arg(1), arg(2), arg(3), dx, partial, m, n, nblk],
-           nblk, blocks_grain(nblk, m * n))
-    p.step(_fold(torch.float32), [partial, dgamma, nblk, n])
+    p.kernel("rms_norm_grad", [arg(0), arg(1), arg(2), arg(3)], [dx, dgamma], [m, n])
     return p.returns(dx, dgamma)
 
 
