@@ -32,9 +32,11 @@ def _build_native() -> None:
         "    print('gradops: no torch in this environment yet: the first import of gradops builds the native CPU '",
         "          'kernels', file=sys.stderr)",
         "    sys.exit(0)",
+        "import os",
+        "os.environ['GRADOPS_BACKEND'] = 'torch'  # no build inside the import: the one below, with its lines",
         "sys.path.insert(0, sys.argv[1])",
-        "from gradops.native.__main__ import install_time_build",
-        "sys.exit(install_time_build())",
+        "from gradops import native",
+        "native.ensure_built()  # a failure is said; the first import of gradops tries again",
     ])
     try:
         subprocess.run([sys.executable, "-c", code, str(_ROOT / "src")], env=env, check=False, timeout=1800)

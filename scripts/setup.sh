@@ -23,25 +23,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # triton 3.6 is what the lent GPU machines run: the interpreter tier tests the same Triton.
   # accelerate: transformers' distributed loading (expert parallel, tests/test_transformers_ep.py) imports it.
-  # native: ninja, which torch's C++ extension builder needs for gradops.native (below).
-  echo "setup: installing gradops[cpu,bench,dev,native] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
-  python -m pip install -q -e "$ROOT[cpu,bench,dev,native]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
+  # The install builds gradops' CPU kernels (C++, against this torch: build_backend/gradops_build.py).
+  echo "setup: installing gradops[bench,dev] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
+  python -m pip install -q -e "$ROOT[bench,dev]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
   echo "$want" > "$stamp"
 fi
-# No GRADOPS_CACHE_DIR here, on purpose: the compiled CPU kernels then go to gradops' default cache
-# (~/.cache/gradops/numba, one folder per version of the kernel sources: src/gradops/cpu/__init__.py), the one
-# every other way of running gradops uses too - an activated .venv, `.venv/bin/python examples/...`, an IDE -
-# so the README's commands and a user's own compile each kernel once, into one place. (Exporting a checkout folder
-# here reached only the processes these scripts start: an activated venv compiled everything a second time
-# elsewhere.) A GRADOPS_CACHE_DIR set by the caller is still honoured, by gradops itself; where the default cannot
-# be written, gradops compiles into a private temporary folder and says so once.
-
-# The native autograd nodes (src/gradops/native): gradops.nn's eager CPU training path without Python in the
-# backward. Built once per source / torch / Python into gradops' cache (~1-1.5 min with g++ on 2 cores), then only a
-# file check. Without a C++ compiler gradops runs its Python path (the same results, ~50 µs more per training step
-# at small sizes) and says so here; the tests then skip the native ones, which they require once it is built.
+# The CPU kernels and native nodes (src/gradops/native): built once per source / torch / Python / CPU into gradops'
+# cache (~2 min with g++ on 2 cores; by the install above, else here), then only a file check. No GRADOPS_CACHE_DIR
+# here, on purpose: the default cache (~/.cache/gradops) is the one every other way of running gradops uses too (an
+# activated .venv, an IDE), so the library is built once, into one place. Without a C++ compiler gradops runs the
+# pure-torch reference and says so here; the tests then skip what needs the kernels, which they require once built.
 if python -m gradops.native --quiet; then
   export GRADOPS_REQUIRE_NATIVE=1
 else
-  echo "setup: gradops.native could not be built (above); gradops runs its Python autograd path" >&2
+  echo "setup: gradops' CPU kernels could not be built (above); CPU tensors take the pure-torch reference" >&2
 fi

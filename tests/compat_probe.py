@@ -3,7 +3,7 @@
 For the baseline (nothing hidden) and then each ``HOOK``, in a child forked from this process before gradops is
 imported: delete the torch attribute ``HOOK`` names (as a torch release without it would lack it), import gradops,
 call every registry op, train a step of gradops.nn modules, take a torch.func gradient, and print one JSON line: a
-digest of every result's bits, and what the direct path says about itself. The parent imports torch (and numba)
+digest of every result's bits, and what the direct path says about itself. The parent imports torch
 once, ~2 s that each child would otherwise pay again; gradops itself is imported in each child only.
 """
 
@@ -112,10 +112,6 @@ def main(argv: list[str]) -> int:
     import traceback
 
     assert "gradops" not in sys.modules
-    try:
-        import numba  # noqa: F401  (gradops.cpu's compiler: shared by the children, it reads no torch hook)
-    except ImportError:
-        pass
     failed = 0
     for hook in [None, *argv[1:]]:
         sys.stdout.flush()

@@ -13,7 +13,7 @@ from gradops.bench.timing import Timing, summarize
 from gradops.cli import main
 
 KEYS = {"op", "shape", "dtype", "provider", "median_ms", "p20_ms", "p80_ms", "reps", "bytes", "gbps", "pct_copy",
-        "device", "device_name", "torch", "triton", "numba", "gradops", "gradops_backend", "date", "threads"}
+        "device", "device_name", "torch", "triton", "gradops", "gradops_backend", "date", "threads"}
 
 
 def test_quick_run_writes_table_jsonl_and_plot(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The compiled CPU backend (numba): selection and fallback, bit-exact results whatever the thread count,
+"""The CPU kernels (C++, gradops.native): selection and fallback, bit-exact results whatever the thread count,
 bfloat16/float16 rounding, ``out=`` on every op and sample, the workspace hook and the output pool.
 
 Correctness against the float64 oracles on every sample runs in test_ops.py (its ``backend`` fixture covers
@@ -14,12 +14,11 @@ import pytest
 import torch
 
 import gradops
-from gradops import backend, reference
+from gradops import backend, native, reference
 from gradops.status import ACLNN_ERR_PARAM_INVALID, OpError
 from oracles import assert_matches
 from samples import OPS, samples
 
-numba = pytest.importorskip("numba")
 cpu = importlib.import_module("gradops.cpu")
 pool = importlib.import_module("gradops.cpu._pool")
 
@@ -39,13 +38,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_auto_selects_the_compiled_backend_for_cpu_tensors(monkeypatch):
     monkeypatch.setenv("GRADOPS_BACKEND", "auto")
     for op in cpu.__all__:
-        if hasattr(gradops.reference, op):  # the kernels, not the hooks (``*_workspace``) or cache_dir
+        if hasattr(gradops.reference, op):  # the kernels, not the hooks (``*_workspace``)
             assert backend.select(op, torch.device("cpu")) == ("cpu", getattr(cpu, op)), op
 
 
-def test_falls_back_to_torch_without_numba(monkeypatch):
-    """``import numba`` failing (not installed) leaves auto mode on the pure-torch path; naming cpu raises."""
-    monkeypatch.setitem(sys.modules, "numba", None)  # makes find_spec None and the import an ImportError
+def test_falls_back_to_torch_without_the_kernels(monkeypatch):
+    """CPU kernels that cannot be had (the build failed: no compiler) leave auto mode on the pure-torch path; naming
+    cpu raises."""
+    why = "the native CPU kernels could not be built (simulated: no compiler)"
+
+    def not_built():
+        raise ImportError(why)
+
+    monkeypatch.setattr(native, "kernels", not_built)
+    monkeypatch.setattr(native, "_failure", why)
     for name in [m for m in sys.modules if m == "gradops.cpu" or m.startswith("gradops.cpu.")]:
         monkeypatch.delitem(sys.modules, name)
     backend._module.cache_clear()
@@ -54,7 +60,7 @@ def test_falls_back_to_torch_without_numba(monkeypatch):
             importlib.import_module("gradops.cpu")
         monkeypatch.setenv("GRADOPS_BACKEND", "auto")
         monkeypatch.setattr(backend, "_slow_path_warned", False)
-        with pytest.warns(backend.SlowPathWarning, match="numba is not installed"):
+        with pytest.warns(backend.SlowPathWarning, match="could not be built"):
             name, fn = backend.select("rms_norm_grad", torch.device("cpu"))
         assert name == "torch" and fn is reference.rms_norm_grad
         x, dy, g = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
@@ -63,7 +69,7 @@ def test_falls_back_to_torch_without_numba(monkeypatch):
         ref = reference.rms_norm_grad(dy, x, rstd, g)
         assert torch.equal(dx, ref[0]) and torch.equal(dg, ref[1])
         monkeypatch.setenv("GRADOPS_BACKEND", "cpu")
-        with pytest.raises(RuntimeError, match="numba"):
+        with pytest.raises(RuntimeError, match="could not be built"):
             backend.select("rms_norm_grad", torch.device("cpu"))
     finally:
         monkeypatch.undo()
@@ -92,18 +98,15 @@ def _thread_cases():
 
 @pytest.mark.parametrize("fn,args", list(_thread_cases()))
 def test_bitwise_identical_whatever_the_thread_count(fn, args):
-    """Both pools: numba's (the numba kernels) and torch's intra-op threads (the native kernels, kernels.h)."""
-    before, torch_before = numba.get_num_threads(), torch.get_num_threads()
+    """The kernels run on torch's intra-op threads (native/kernels.h): one thread and two give the same bits."""
+    before = torch.get_num_threads()
     try:
-        numba.set_num_threads(1)
         torch.set_num_threads(1)
         one = _as_tuple(fn(*args))
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
         torch.set_num_threads(2)
         two = _as_tuple(fn(*args))
     finally:
-        numba.set_num_threads(before)
-        torch.set_num_threads(torch_before)
+        torch.set_num_threads(before)
     for a, b in zip(one, two):
         assert torch.equal(_bits(a), _bits(b))
 
@@ -326,36 +329,3 @@ def test_pool_floor_and_block_alignment(monkeypatch):
         assert huge.sum().item() == 2 << 20
     del again
     assert gradops.empty_cache() >= floor
-
-
-_BITS = """
-import sys, torch, gradops
-g = torch.Generator().manual_seed(0)
-x, dy, gamma, beta = (torch.randn(512, 256, generator=g), torch.randn(512, 256, generator=g),
-                      torch.randn(256, generator=g), torch.randn(256, generator=g))
-y, mean, var = gradops.layer_norm(x, gamma, beta)
-rstd = torch.rsqrt(var + 1e-5)
-h = x.half()
-out = [y, mean, var, *gradops.layer_norm_backward(dy, x, mean, rstd, gamma), *gradops.rms_norm(x, gamma),
-       *gradops.layer_norm(h, gamma, beta), gradops.hardswish_backward(dy, x * 3)]
-torch.save(out, sys.argv[1])
-"""
-
-
-def test_cached_kernels_give_the_bits_of_fresh_ones(tmp_path):
-    """A process that compiles the kernels and one that loads them from the disk cache give the same bits (with
-    ``+prefer-256-bit`` in numba's CPU features they did not: LayerNorm's forward and backward differed in their
-    last bits between the first process and every later one, 2026-11-24)."""
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "GRADOPS_"))}
-    env["GRADOPS_CACHE_DIR"] = str(tmp_path / "cache")
-    runs = []
-    for name in ("fresh", "cached"):
-        path = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _BITS, str(path)], env=env, check=True, timeout=600)
-        runs.append(torch.load(path))
-    assert len(runs[0]) == len(runs[1]) == 12
-    for i, (a, b) in enumerate(zip(*runs)):
-        assert torch.equal(a, b), i

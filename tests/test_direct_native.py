@@ -233,8 +233,7 @@ def test_a_refused_value_raises_the_python_paths_error(op, good, bad):
 
 def test_slots_agree_with_the_extension():
     ext = native.module()
-    assert (ext.INPUT, ext.OUTPUT, ext.SCRATCH, ext.VALUE) == (programs.INPUT, programs.OUTPUT, programs.SCRATCH,
-                                                               programs.VALUE)
+    assert (ext.INPUT, ext.OUTPUT, ext.ABSENT) == (programs.INPUT, programs.OUTPUT, programs.ABSENT)
 
 
 def test_not_taken_when_autograd_records_or_a_mode_watches():
@@ -355,19 +354,6 @@ def test_out_not_contiguous_takes_the_python_path():
     assert op.direct_into(out, x) is False
     assert gradops.hardswish(x, out=out) is out
     assert torch.equal(out, gradops.hardswish(x))
-
-
-def test_out_zeroed_where_no_step_writes_it():
-    """A program's zero-filled result that no step names still comes back zeroed in the caller's out (a program
-    made by hand: no builder makes one today)."""
-    ext = native.module()
-    op = ext.direct_op("test::zero_only")
-    x = torch.randn(4)
-    ext.remember_direct(op, (x,), False, [([4], torch.float32, True)], [], [], [0], False)
-    out = torch.full((4,), 7.0)
-    assert ext.direct_into(op, out, x) is True
-    assert torch.equal(out, torch.zeros(4))
-    assert torch.equal(ext.direct(op, x), torch.zeros(4))
 
 
 def test_out_inference_tensor_as_torch():

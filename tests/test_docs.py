@@ -300,14 +300,19 @@ def _commands() -> list[tuple[str, list[str], bool]]:
     return found
 
 
-def _project() -> dict:
-    """pyproject.toml's [project] table."""
+def _pyproject() -> dict:
+    """pyproject.toml."""
     try:
         import tomllib
     except ImportError:  # Python 3.10: pytest's own dependency
         import tomli as tomllib
 
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _project() -> dict:
+    """pyproject.toml's [project] table."""
+    return _pyproject()["project"]
 
 
 def _extras() -> set[str]:
@@ -380,12 +385,16 @@ def test_readme_commands_name_real_files_subcommands_flags_and_install_sources()
     assert not problems, "\n".join(problems)
 
 
-def test_a_plain_install_brings_the_compiled_cpu_kernels():
-    """numba is a dependency: without it CPU tensors take the ~25-50x slower reference. The ``cpu`` extra that
-    used to carry it stays, so that older instructions (``gradops[cpu]``) still install."""
+def test_a_plain_install_builds_the_cpu_kernels():
+    """The install builds the C++ CPU kernels (gradops' build backend), which needs ninja at build time and at the
+    first import's build; without them CPU tensors take the ~10-50x slower reference. The ``cpu`` and ``native``
+    extras that used to carry numba and ninja stay, so that older instructions (``gradops[cpu]``) still install."""
     project = _project()
-    assert any(re.match(r"numba\b", requirement) for requirement in project["dependencies"]), project["dependencies"]
-    assert "cpu" in project["optional-dependencies"]
+    build = _pyproject()["build-system"]
+    assert build["build-backend"] == "gradops_build" and (ROOT / build["backend-path"][0] / "gradops_build.py").exists()
+    assert any(re.match(r"ninja\b", r) for r in build["requires"]) and "ninja" in project["dependencies"]
+    assert not any(re.match(r"numba\b", r) for r in project["dependencies"]), project["dependencies"]
+    assert {"cpu", "native"} <= set(project["optional-dependencies"])
 
 
 def test_readme_install_section_names_every_extra():
@@ -542,13 +551,15 @@ def test_readme_hardswish_rates_at_three():
 
 
 def test_gradops_env_names_every_native_node_and_the_direct_calls(capsys):
-    """`gradops env` says what the native extension provides, from the extension's own list: autograd nodes for
-    every op that has one (it once named LayerNorm and Hardswish only, after Embedding gained its node), and the
-    direct calls of the public functions."""
+    """`gradops env` says whether the CPU kernels are built and what the native path provides, from the extension's
+    own list: autograd nodes for every op that has one (it once named LayerNorm and Hardswish only, after Embedding
+    gained its node), and the direct calls of the public functions."""
     from gradops import native
 
     assert cli.main(["env"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("native extension"))
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("CPU kernels (C++") for line in out), out
+    line = next(line for line in out if line.startswith("native path"))
     nodes = sorted(native._OPS)
     assert "embedding" in nodes, nodes
     assert all(op in line for op in nodes), line

@@ -259,7 +259,7 @@ def test_rows_without_columns_give_empty_gradients(backend):
 def test_layer_norm_backward_without_columns_takes_every_statistic_shape(backend, x_shape, stat_shape):
     """H = 0 with the statistic shapes the contract takes (``x.shape[:-1]``, 0-d for a 1-D x, or its keepdim
     form): empty dx, empty dgamma / dbeta, and a negative rstd still refused (issue 36.13: the CPU backend raised
-    a numba TypingError for 0-d and (M, 1) statistics; the torch backend answered these)."""
+    a TypingError of its compiler for 0-d and (M, 1) statistics; the torch backend answered these)."""
     x, gamma = t(*x_shape), t(0)
     dx, dgamma, dbeta = gradops.layer_norm_backward(x, x, t(*stat_shape), t(*stat_shape) + 1, gamma)
     assert dx.shape == x_shape and dgamma.shape == dbeta.shape == (0,)

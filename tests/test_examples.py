@@ -2,8 +2,8 @@
 prints match the float64 oracle of the seed's inputs.
 
 Each process costs ~3 s (interpreter and torch start-up). They run the pure-torch backend
-(GRADOPS_BACKEND=torch): what is under test is the ported call sequence, and a cold numba cache would add ~4 s
-of compilation per process (the compiled backend runs the same aclnn calls in test_aclnn.py).
+(GRADOPS_BACKEND=torch): what is under test is the ported call sequence (the CPU kernels run the same aclnn
+calls in test_aclnn.py).
 """
 
 from __future__ import annotations

@@ -122,14 +122,13 @@ def test_layer_norm_node_matches_python_path(shape, dtype, affine):
     same(ours, python)
 
 
-def test_thresholds_agree_with_the_python_path():
-    """The nodes split their work with the Python path's thresholds (autograd.cpp holds copies), and the output pool
+def test_thresholds_are_the_documented_ones():
+    """The kernels' thresholds (kernels.h, their one definition: docs/backends.md names them), and the output pool
     serves from the floor gradops.cpu._pool tests before asking it."""
-    from gradops.cpu import _host, _pool
+    from gradops.cpu import _pool
 
     ext = native.module()
-    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.BLOCK_ITEMS) == (
-        _host.PARALLEL_MIN, _host.ROW_BLOCKS, _host.BLOCK_ITEMS)
+    assert (ext.PARALLEL_MIN, ext.ROW_BLOCKS, ext.BLOCK_ITEMS) == (1 << 15, 64, 1 << 14)
     assert ext.POOL_MIN == _pool.MIN_BYTES
 
 
@@ -143,8 +142,8 @@ BLOCKS = [(0, 7, 1), (7, 0, 1), (1, 1, 1), (128, 128, 1), (128, 129, 2), (40, 10
 
 @pytest.mark.parametrize(("rows", "cols", "blocks"), BLOCKS)
 def test_row_blocks_are_the_python_paths(rows, cols, blocks):
-    """The LayerNorm node sizes its partials as the Python path does (the bits of dgamma / dbeta follow the count):
-    a function of the shape alone."""
+    """The fixed row blocks of the cross-row reductions (the bits of dgamma / dbeta follow the count): a function of
+    the shape alone, the same for the kernels and for the workspace sizes the Python side reports."""
     from gradops.cpu import _host
 
     assert native.module().row_blocks(rows, cols) == _host.row_blocks(rows, cols) == blocks
@@ -275,10 +274,9 @@ def test_invalid_input_still_raises_op_error():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_backward_in_a_forked_child():
-    """A graph recorded before fork() and run backward in the child: the child's backward takes the Python path,
-    whose guards know whether numba's thread pool survived the fork (after a parallel kernel under GNU OpenMP it
-    did not: numba would terminate the child). 512 x 256 splits the nodes' kernels over torch's threads in the
-    parent first."""
+    """A graph recorded before fork() and run backward in the child: the child's backward takes the Python path on
+    one thread (GNU OpenMP does not survive fork: a parallel region there hangs). 512 x 256 splits the nodes'
+    kernels over torch's threads in the parent first."""
     torch.manual_seed(0)
     x = torch.randn(512, 256, requires_grad=True)
     modules = (gnn.Hardswish(), gnn.LayerNorm(256))

@@ -109,7 +109,7 @@ def test_swapped_layer_norm_statistics_are_refused_on_every_path(backend_name, m
     from gradops.status import ACLNN_ERR_PARAM_INVALID, OpError
 
     if backend_name == "cpu" and not gradops.backend.usable("cpu", torch.device("cpu"))[0]:
-        pytest.skip("numba is not installed")
+        pytest.skip("the CPU kernels are not built here (python -m gradops.native)")
     dy, x, mean, var, gamma = _ln_stats(backend_name, monkeypatch)
     calls = {
         "public": lambda: gradops.layer_norm_grad(dy, x, mean, var, gamma),  # swapped: mean where variance goes

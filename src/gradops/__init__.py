@@ -4,6 +4,9 @@ Every function takes torch tensors, returns new tensors and never writes into it
 :class:`OpError` carrying CANN's status code.
 """
 
+import os as _os
+
+from .native import ensure_built as _ensure_built
 from .ops import (
     embedding,
     embedding_dense_backward,
@@ -22,6 +25,12 @@ from .ops import (
 )
 from .patching import patch
 from .status import OpError
+
+# The CPU kernels are C++ compiled against this torch: the install builds them, or else this first import does (one
+# line before and after, ~1-2 min), so that no training step ever waits for a compiler. Built, it is a file check
+# (~1 ms). Not where GRADOPS_BACKEND names a backend without them (torch, triton): a later switch builds on first use.
+if _os.environ.get("GRADOPS_BACKEND", "auto").strip().lower() in ("", "auto", "cpu"):
+    _ensure_built()
 
 __version__ = "0.1.0"
 
@@ -52,7 +61,7 @@ def empty_cache() -> int:
     """
     import sys
 
-    pool = sys.modules.get("gradops.cpu._pool")  # not loaded: nothing pooled, and numba stays unimported
+    pool = sys.modules.get("gradops.cpu._pool")  # not loaded: nothing pooled
     return pool.clear() if pool is not None else 0
 
 

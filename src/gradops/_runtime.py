@@ -19,6 +19,8 @@ _users: list[Callable[[ModuleType | None], None]] = []
 
 #: The loaded native extension, or None (set by :mod:`gradops.native`).
 extension: ModuleType | None = None
+#: True in a child of fork() (set at the fork): GNU OpenMP does not survive fork, so CPU work runs on one thread.
+forked = False
 
 
 def interpreting() -> bool:
@@ -54,4 +56,10 @@ def set_extension(module: ModuleType | None) -> None:
     invalidate()
 
 
-os.register_at_fork(after_in_child=invalidate)
+def _after_fork_in_child() -> None:
+    global forked
+    forked = True
+    invalidate()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -6,17 +6,19 @@
   missing or cannot run here -> ``torch``.
 - ``torch``: the pure-torch reference on any device.
 - ``triton``: the Triton kernels; on CPU tensors only with ``TRITON_INTERPRET=1`` (the interpreter, for tests).
-- ``cpu``: the compiled CPU kernels (needs numba).
+- ``cpu``: the CPU kernels (C++, in gradops' native extension: built when gradops is installed or first
+  imported).
 
 float64 inputs (the PyTorch API only: CANN's tables have no float64) run on the ``torch`` reference computing in
 float64, whatever the variable says (:func:`wide`): no compiled kernel implements float64, and none may downcast.
 
 A backend that does not implement an op leaves that op to ``torch`` (documented per op in ``gradops env``). A
 backend asked for by name that cannot run - not installed, its import failing, the wrong device, or the compiled
-CPU kernels in a child forked after GNU OpenMP ran - raises :class:`BackendUnavailable` saying why: a typo or a
+CPU kernels where the extension cannot be built - raises :class:`BackendUnavailable` saying why: a typo or a
 missing dependency never passes silently. Only ``auto`` falls back, and ``gradops env`` shows what it chose; when
-``auto`` falls back on CPU tensors because the compiled kernels cannot be imported, it also says so once per process
-(:class:`SlowPathWarning`), since that path is ~25-50x slower.
+``auto`` falls back on CPU tensors because the CPU kernels cannot be had, it also says so once per process
+(:class:`SlowPathWarning`), since that path is ~10-50x slower. In a child of ``fork()`` whose parent may have run
+GNU OpenMP (which does not survive fork: a parallel region there hangs), CPU calls run on one thread.
 
 :func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
 ``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,
@@ -40,7 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _runtime
+from . import _runtime, native
+from ._compat import HAS_OPENMP
 from .status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR, OpError
 
 ENV = "GRADOPS_BACKEND"
@@ -48,17 +51,17 @@ ENV = "GRADOPS_BACKEND"
 MODULES = {"torch": "gradops.reference", "triton": "gradops.launch", "cpu": "gradops.cpu"}
 CHOICES = ("auto", *MODULES)
 _FIRST = {"cuda": "triton", "cpu": "cpu"}  # auto's first choice per device type
-#: How to get the compiled CPU kernels back: numba is a dependency of gradops (pyproject.toml), so a missing or
-#: broken one was removed or replaced after gradops was installed.
-NUMBA_FIX = "pip install -U 'numba>=0.60', a dependency of gradops"
+#: How to get the CPU kernels: what building gradops' native extension needs.
+FIX = native.FIX
 
 
 class SlowPathWarning(RuntimeWarning):
-    """CPU tensors run on the pure-torch reference because the compiled CPU kernels cannot be imported.
+    """CPU tensors run on the pure-torch reference because the CPU kernels cannot be had (the native extension
+    could not be built or loaded).
 
     Issued once per process, the first time ``GRADOPS_BACKEND=auto`` falls back for a CPU tensor: the reference
-    is ~25-50x slower (rms_norm_grad at 8192 x 4096 fp32: 0.54-1.1 s against 11-44 ms compiled on a 2-core VM,
-    idle to loaded), and a plain fallback would leave a missing or broken numba unnoticed.
+    is ~10-50x slower (rms_norm_grad at 8192 x 4096 fp32: 0.54-1.1 s against 11-44 ms compiled on 2 cores), and a
+    plain fallback would leave a missing compiler unnoticed.
     ``GRADOPS_BACKEND=torch`` chooses the reference on purpose and is not warned about.
     """
 
@@ -76,9 +79,9 @@ def _warn_slow_cpu_path(device: torch.device) -> None:
         return
     _slow_path_warned = True
     cause = why or _import_errors.get("cpu", f"importing {MODULES['cpu']} failed")
-    fix = "" if NUMBA_FIX in cause else f" ({NUMBA_FIX})"
-    warnings.warn(f"gradops: the compiled CPU kernels cannot run: {cause}{fix}. CPU tensors use the pure-torch "
-                  "reference, ~25-50x slower; set GRADOPS_BACKEND=torch to choose it on purpose and silence this "
+    fix = "" if FIX in cause else f" (to fix: {FIX})"
+    warnings.warn(f"gradops: the CPU kernels cannot run: {cause}{fix}. CPU tensors use the pure-torch "
+                  "reference, ~10-50x slower; set GRADOPS_BACKEND=torch to choose it on purpose and silence this "
                   "warning.", SlowPathWarning, stacklevel=2)
 
 
@@ -137,12 +140,8 @@ def usable(name: str, device: torch.device) -> tuple[bool, str]:
     if name == "cpu":
         if device.type != "cpu":
             return False, f"the compiled CPU kernels run on CPU tensors only (got {device})"
-        if importlib.util.find_spec("numba") is None:
-            return False, f"numba is not installed ({NUMBA_FIX})"
-        host = sys.modules.get("gradops.cpu._host")
-        if host is not None and host.forked_omp_child():
-            return False, host.FORKED_WHY
-        return True, ""
+        why = native.kernels_failure()
+        return (False, why) if why is not None else (True, "")
     return False, f"unknown backend {name!r}"
 
 
@@ -177,22 +176,22 @@ def decide(op: str, device: torch.device) -> Choice:
     if name == "auto":
         first = _FIRST.get(device.type)
         chosen = _choice(op, first) if first and usable(first, device)[0] else None
-        if chosen is None and first == "cpu" and _forked_omp_child():
-            return _serially(_choice(op, "torch"))
         if chosen is None and first == "cpu":
             _warn_slow_cpu_path(device)
-        return chosen or _choice(op, "torch")
+        chosen = chosen or _choice(op, "torch")
+        return _serially(chosen) if device.type == "cpu" and _forked_omp_child() else chosen
     ok, why = usable(name, device)
     if not ok:
         raise BackendUnavailable(op, name, why)
     if name != "torch" and _module(name) is None:
         raise BackendUnavailable(op, name, _import_errors.get(name, f"importing {MODULES[name]} failed"))
-    return _choice(op, name) or _choice(op, "torch")  # an op the backend lacks is the reference's (documented)
+    chosen = _choice(op, name) or _choice(op, "torch")  # an op the backend lacks is the reference's (documented)
+    return _serially(chosen) if device.type == "cpu" and _forked_omp_child() else chosen
 
 
 def _forked_omp_child() -> bool:
-    host = sys.modules.get("gradops.cpu._host")
-    return host is not None and host.forked_omp_child()
+    """Whether this is a child of fork() whose parent may have run GNU OpenMP regions (torch built with OpenMP)."""
+    return _runtime.forked and HAS_OPENMP
 
 
 def _serially(choice: Choice) -> Choice:

@@ -132,7 +132,7 @@ def check_backend_variable() -> None:
 def refusal(err: BaseException) -> str | None:
     """The one-line message of an error that means "this cannot run here" rather than a bug: a
     :class:`CommandError`, or a :class:`gradops.backend.BackendUnavailable` (a backend named in
-    ``GRADOPS_BACKEND`` that cannot run: Triton without a GPU, numba missing). None for anything else."""
+    ``GRADOPS_BACKEND`` that cannot run: Triton without a GPU, CPU kernels not built). None for anything else."""
     if isinstance(err, CommandError):
         return str(err)
     backend = sys.modules.get("gradops.backend")  # loaded whenever one of its errors exists

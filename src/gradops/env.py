@@ -38,15 +38,24 @@ def run(args: argparse.Namespace) -> int:
     import gradops
 
     print(f"gradops {gradops.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
-          f"triton {_version('triton')}  numba {_version('numba')}")
+          f"triton {_version('triton')}  ninja {_version('ninja')}")
     print(f"{backend.ENV}={os.environ.get(backend.ENV, 'auto')}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}  threads={torch.get_num_threads()}")
     from . import native
 
-    # What the extension provides, from its own list of nodes (docs/backends.md describes both parts).
+    # What the extension provides, from its own list of nodes (docs/backends.md describes its parts).
+    if native.built():
+        try:
+            native.kernels()
+            why = None
+        except ImportError as err:
+            why = str(err)
+    else:  # said, not built here: the install or the first import builds them
+        why = native.kernels_failure() or "not built"
+    kernels = "built" if why is None else f"unavailable, CPU tensors use the reference ({why}; to fix: {native.FIX})"
+    print(f"CPU kernels (C++, {native.build_dir()}): {kernels}")
     nodes = ", ".join(sorted(native._OPS))
-    print(f"native extension (CPU; autograd nodes: {nodes}; direct calls of the public functions): "
-          f"{native.status()}")
+    print(f"native path (autograd nodes: {nodes}; direct calls of the public functions): {native.status()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         print(f"\n{device} ({name})")

@@ -9,8 +9,8 @@ For each op, shape and dtype it prints median and p20/p80 times, GB/s on the op'
 backward function against its eager twin, from 8 x 8 to 4096 x 1024 (:mod:`gradops.bench.sweep`). ``--models``
 times whole transformers models, patched against unpatched (:mod:`gradops.bench.models`). ``--per-call`` measures
 what one call of each public function costs at 8 x 8 fp32 (direct path, through the op, and ATen's twin:
-:mod:`gradops.bench.per_call`). ``--compile-cost`` measures the first-call cost of the compiled CPU kernels in
-fresh processes, with an empty numba cache (cold) and with the cache that run filled (cached).
+:mod:`gradops.bench.per_call`). ``--compile-cost`` measures the first-call cost of the CPU kernels in
+fresh processes, with an empty cache (cold: the first import builds them) and with the cache that run filled.
 
 ``--dry-run`` runs every provider once and records no times (each record says ``dry_run``): the whole flow at toy
 sizes, under ``TRITON_INTERPRET=1`` too, for ``scripts/gpu_check.sh --dry-run``. ``--shapes gpu-check`` is the
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the JSONL and PNG (default benchmarks/results)")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--compile-cost", action="store_true",
-                        help="measure the CPU kernels' first-call compile cost, cold and cached, and exit")
+                        help="measure the CPU kernels' first-call cost, cold (built) and cached, and exit")
     parser.add_argument("--per-call", action="store_true",
                         help="measure every public function's per-call cost at 8 x 8 fp32 against ATen, and exit")
     parser.add_argument("--sweep", action="store_true",
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     stem = f"{device.type}-{datetime.date.today().isoformat()}"
     print(f"gradops bench{' --dry-run (no times)' if dry else ''} on {env['device_name']}: torch {env['torch']}, "
-          f"numba {env['numba']}, triton {env['triton']}, liger-kernel {env['liger_kernel']}, backend "
+          f"triton {env['triton']}, liger-kernel {env['liger_kernel']}, backend "
           f"{env['gradops_backend']}, {env['threads']} threads" + (f", {load}" if load else ""), flush=True)
     for op in args.op or OPS:
         for shape in shapes[op]:

@@ -40,7 +40,7 @@ from gradops import reference
 from gradops.registry import BENCH
 
 aten = torch.ops.aten
-#: The CPU output pool's switch (gradops.cpu._pool.ENV; spelled here so the bench imports without numba).
+#: The CPU output pool's switch (gradops.cpu._pool.ENV; spelled here so the bench imports without the CPU kernels).
 POOL_ENV = "GRADOPS_CPU_POOL_MB"
 
 #: Shapes per op: issue 6 for the CPU, issue 3 (LLM shapes) for CUDA, a tiny one for ``--quick``, one LLM shape per

@@ -1,10 +1,10 @@
-"""First-call cost of the compiled CPU kernels: cold (empty numba cache) vs cached, each in a fresh process.
+"""First-call cost of the CPU kernels: cold (an empty cache: the import builds them) vs cached, each in a fresh
+process.
 
-numba compiles a kernel for each dtype combination on its first call and, with ``cache=True``, stores the
-machine code under the gradops cache dir; a later process loads it instead of compiling. This module times
-``import gradops.cpu`` plus the first call of every op of :mod:`gradops.registry` on tiny fp32 and bf16 inputs,
-in a subprocess whose ``GRADOPS_CACHE_DIR`` is a fresh temporary directory (cold), then again in a second
-subprocess on the same directory (cached).
+The kernels are C++ built once per torch, Python and CPU into the gradops cache dir (at install, or by the first
+import); a later process loads the library. This module times ``import gradops.cpu`` plus the first call of every
+op of :mod:`gradops.registry` on tiny fp32 and bf16 inputs, in a subprocess whose ``GRADOPS_CACHE_DIR`` is a fresh
+temporary directory (cold), then again in a second subprocess on the same directory (cached).
 """
 
 from __future__ import annotations
@@ -65,14 +65,13 @@ print(json.dumps(times))
 
 def _child(cache: str) -> dict[str, float]:
     env = dict(os.environ, GRADOPS_CACHE_DIR=cache)
-    env.pop("NUMBA_CACHE_DIR", None)
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def measure() -> int:
     """Print the cold and cached first-call seconds per op and dtype; returns the exit code."""
-    with tempfile.TemporaryDirectory(prefix="gradops-numba-") as cache:
+    with tempfile.TemporaryDirectory(prefix="gradops-cold-") as cache:
         cold = _child(cache)
         cached = _child(cache)
     print(f"{'first call':<38} {'cold s':>8} {'cached s':>9}")

@@ -3,8 +3,8 @@
 ``python -m gradops.bench.first_use`` (or ``scripts/first_use.sh``) does what README's "Installing gradops in your
 own project" tells a user to do, in a fresh virtual environment under a temporary folder (no system site
 packages): ``pip install torch==2.13.0``, then ``pip install <this checkout>``, with ``HOME`` pointed at an empty
-temporary folder so that ``~/.cache/gradops`` (the numba kernels, the native extension) starts empty. Then, each in
-a fresh process of that environment:
+temporary folder so that ``~/.cache/gradops`` starts empty (the install builds the CPU kernels into it). Then, each
+in a fresh process of that environment:
 
 - the first training step of a small model of gradops modules (Embedding -> RMSNorm -> LayerNorm -> Hardswish ->
   Linear, 8 x 64 tokens, width 128) with the cache empty (``cold``), and again with the cache that run filled
@@ -12,9 +12,6 @@ a fresh process of that environment:
 - the same model of ``torch.nn`` modules, twice: torch's own first step, the figure gradops is held to;
 - ``import gradops``'s time, whether the native extension was loaded (``gradops.native.status()``) and what
   ``gradops env`` says.
-
-``--native`` adds README's optional lines before the runs (``pip install <checkout>[native]``, ``python -m
-gradops.native``), timed: what the user who reads further gets.
 
 Each process also times a few later steps, so that a first-step figure can be told from a slow steady state.
 ``--sweep`` then runs ``gradops bench --sweep`` in that environment (with only what the install gave) and counts
@@ -112,15 +109,13 @@ def _worker(impl: str, tokens: tuple[int, int], width: int, vocab: int, later: i
     result["threads"] = torch.get_num_threads()
     result["torch"] = torch.__version__
     if impl == "gradops":
-        import numba
-
         import gradops
         from gradops import native
         from gradops.backend import select
 
         result["native"] = native.status()
         result["backend"] = select("rms_norm_grad", torch.device("cpu"))[0]
-        result["gradops"], result["numba"] = gradops.__version__, numba.__version__
+        result["gradops"] = gradops.__version__
     if impl == "gradops" and env:
         from gradops.cli import main as cli
 
@@ -150,7 +145,7 @@ def _timed(cmd: list[str], env: dict, cwd: Path, log: Path | None = None) -> tup
 
 
 def _user_env(home: Path, venv: Path | None, dry: bool = False) -> dict:
-    """A new user's environment: the caller's, less every gradops / numba / torch-extension setting, HOME empty
+    """A new user's environment: the caller's, less every gradops / torch-extension setting, HOME empty
     (so ``~/.cache`` is), the venv's bin first on PATH; ``dry``: the pure-torch reference (nothing compiles)."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
     env["HOME"] = str(home)
@@ -244,20 +239,11 @@ def measure(args: argparse.Namespace) -> dict:
                                                       env, top, log)
             print(f"first-use: pip install {root()}", flush=True)
             record["pip_install_gradops_s"], _ = _timed([python, "-m", "pip", "install", str(root())], env, top, log)
-            if args.native:  # README's optional lines: the native extra (ninja), then the build
-                print("first-use: pip install <repo>[native]; python -m gradops.native", flush=True)
-                record["pip_install_native_extra_s"], _ = _timed(
-                    [python, "-m", "pip", "install", f"{root()}[native]"], env, top, log)
             _, done = _timed([python, "-m", "pip", "list", "--format=json"], env, top)
             record["packages"] = {p["name"]: p["version"] for p in json.loads(done.stdout)}
             # the first import of torch reads ~1 GB of libraries from disk: done once here, so that neither side's
             # first process pays the disk for the other
             _timed([python, "-c", "import torch"], env, top)
-        if args.native:
-            try:
-                record["native_build_s"], _ = _timed([python, "-m", "gradops.native"], env, top, log)
-            except RuntimeError as err:  # no compiler, no ninja: recorded, and the runs measure the Python path
-                record["native_build_error"] = str(err).splitlines()[-1]
         runs = []
         plan = [("gradops cold", "gradops"), ("gradops warm", "gradops"),
                 *((f"torch {i + 1}", "torch") for i in range(args.torch_runs))]
@@ -276,7 +262,7 @@ def measure(args: argparse.Namespace) -> dict:
         record["import_gradops_warm_s"] = by["gradops warm"]["import_gradops_s"]
         warm = by["gradops warm"]
         record["native"] = warm["native"]
-        record.update({k: warm[k] for k in ("torch", "numba", "gradops", "backend", "gradops_env", "threads")})
+        record.update({k: warm[k] for k in ("torch", "gradops", "backend", "gradops_env", "threads")})
         cache = home / ".cache" / "gradops"
         record["cache_files"] = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
         if args.sweep:
@@ -343,9 +329,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=_positive, default=WIDTH, help="the model's width (128)")
     p.add_argument("--vocab", type=_positive, default=VOCAB, help="the embedding table's rows (1000)")
     p.add_argument("--later", type=_count, default=LATER_STEPS, help="later steps timed per process (20)")
-    p.add_argument("--native", action="store_true",
-                   help="also README's optional native lines before the runs: pip install <repo>[native], python -m "
-                        "gradops.native (timed)")
     p.add_argument("--torch-runs", type=_positive, default=2,
                    help="fresh processes of torch's own model; its first step is the least of them (2)")
     p.add_argument("--sweep", action="store_true", help="then run gradops bench --sweep in the fresh environment")
@@ -367,9 +350,6 @@ def _report(record: dict) -> None:
         extra = f"  import gradops {r['import_gradops_s']:.2f} s  native: {r['native']}" if "native" in r else ""
         print(f"{r['run']:<13} first step {r['first_step_s']:7.3f} s  later {r['later_step_ms']:.2f} ms  "
               f"process {r['process_s']:.2f} s{extra}")
-    if "native_build_s" in record or "native_build_error" in record:
-        print(f"python -m gradops.native: {record.get('native_build_s', 0):.1f} s "
-              f"{record.get('native_build_error', '')}")
     if "pip_install_gradops_s" in record:
         print(f"pip install torch {record['pip_install_torch_s']:.1f} s, gradops "
               f"{record['pip_install_gradops_s']:.1f} s")

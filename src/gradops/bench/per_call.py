@@ -144,7 +144,7 @@ def measure(results: Path | None) -> int:
     best = {**plain, **paired}
     names = list(dict.fromkeys(name for name, _ in best))
     print(f"per call, 8 x 8 fp32, best of {ROUNDS} rounds x {CALLS} calls; {env['device_name']}, torch {env['torch']}, "
-          f"numba {env['numba']}, backend {env['gradops_backend']}")
+          f"backend {env['gradops_backend']}")
     print(f"{'function':28s} {'gradops µs':>10s} {'out= µs':>8s} {'via op µs':>10s} {'ATen µs':>8s} "
           f"{'gradops/ATen':>13s}")
     rows = []

@@ -1,5 +1,5 @@
 """Where and with what a result was taken: the fields every record of ``gradops bench`` and ``gradops check
---results`` carries (device and its name, driver, torch / triton / numba versions, gradops' commit, the date).
+--results`` carries (device and its name, driver, torch / triton versions, gradops' commit, the date).
 
 A number without them cannot be compared with another, and results are carried off the machine that took them
 (benchmarks/results/). ``GRADOPS_COMMIT`` names the commit where the source has no ``.git`` (a copy of the working
@@ -89,7 +89,7 @@ def environment(device: torch.device, dry: bool = False) -> dict:
 
     env = {
         "device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-        "triton": version("triton"), "numba": version("numba"), "liger_kernel": version("liger-kernel"),
+        "triton": version("triton"), "liger_kernel": version("liger-kernel"),
         "gradops": gradops.__version__, "gradops_backend": select("rms_norm_grad", device)[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(), **commit(),

@@ -83,7 +83,7 @@ def machine(record: dict) -> str:
 
 
 def versions(record: dict, *extra: str) -> str:
-    names = ("torch", "numba", *extra)
+    names = ("torch", "numba", *extra)  # numba: the CPU kernels' compiler in records before the C++ kernels
     found = [f"{n} {record[n]}" for n in names if record.get(n)]
     if record.get("native"):
         found.append(f"native {record['native']}")

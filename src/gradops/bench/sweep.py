@@ -289,7 +289,7 @@ def run(device: torch.device, dtypes: list[str], compile_twin: bool, budget_s: f
     where = (f"each case in {processes} fresh process{'es' if processes > 1 else ''}" if processes else
              "every case in this process")
     print(f"gradops bench --sweep{' --dry-run (no times)' if dry else ''} on {env['device_name']}: torch "
-          f"{env['torch']}, numba {env['numba']}, backend {env['gradops_backend']}; {where}: median round, median "
+          f"{env['torch']}, backend {env['gradops_backend']}; {where}: median round, median "
           "paired ratio (range: per process)", flush=True)
     parts = (("module", MODULES, 10, "modules, forward + backward per step, against torch.nn"),
              ("op", OPS, 24, "backward functions against their eager twin (gradops.bench.cases.EAGER)"))

@@ -1,7 +1,7 @@
 """Timers of ``gradops bench``: interleaved wall-clock rounds on the CPU, ``do_bench`` / CUDA events on GPUs.
 
 CPU: every provider of a case runs once per round, round after round, so a noisy neighbour slows all of them
-alike instead of whichever happened to run during the noise; each is warmed up first (numba and inductor
+alike instead of whichever happened to run during the noise; each is warmed up first (inductor and Triton
 compile then, and the on-disk caches load). Interpreter timings are never taken: the benchmark refuses to run
 with ``TRITON_INTERPRET=1`` (see :mod:`gradops.bench`).
 """

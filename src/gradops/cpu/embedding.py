@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..contract.embedding import checked_indices, index_error
 from . import _pool
-from ._host import dense, finish, kernel, output, safe_entry
+from ._host import dense, finish, kernel, output
 
 
 def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
@@ -45,7 +45,6 @@ def _run(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int, scale_gr
         raise index_error(idx.reshape(-1)[bad].item(), bad, num_weights)
 
 
-@safe_entry
 def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool, *, out: Tensor | None = None,
                              workspace: Tensor | None = None) -> Tensor:
@@ -66,7 +65,6 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
     return finish(table, out)
 
 
-@safe_entry
 def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices: Tensor, num_weights: int,
                                     padding_idx: int, scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
     """The op on its own shapes (see :mod:`gradops.ops._plan`): grad (..., E), indices of the leading dims. int32

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _pool
-from ._host import kernel, safe_entry
+from ._host import kernel
 
 
 def _dense(t: Tensor) -> bool:
@@ -49,7 +49,6 @@ def _layout(inputs: list[Tensor], out: Tensor | None) -> tuple[list[Tensor], Ten
     return inputs, torch.empty_like(ref)
 
 
-@safe_entry
 def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Hardswish of any shape and strides; result in x's dtype (and x's dense layout)."""
     if out is None and x.is_contiguous():  # the common case: no layout work
@@ -65,7 +64,6 @@ def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     return buf
 
 
-@safe_entry
 def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """aclnnHardswishBackward (closed interval [-3, 3]); a new tensor, or ``out`` filled."""
     if out is None and x.is_contiguous() and grad_output.is_contiguous():

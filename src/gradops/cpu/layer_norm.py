@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..contract.layer_norm import LayerNormPlan, statistic_error
 from . import _pool
-from ._host import dense, finish, kernel, output, row_blocks, safe_entry
+from ._host import dense, finish, kernel, output, row_blocks
 
 
 def _outs(out, i):
@@ -39,7 +39,6 @@ def _layer_norm_run(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, y: T
     kernel("layer_norm", (dense(x), dense(gamma), dense(beta)), (y, mean, var), (m, n), (float(epsilon),))
 
 
-@safe_entry
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
                out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(y[M,N] x.dtype, mean[M] fp32, variance[M] fp32)`` of the 2-D view x."""
@@ -51,7 +50,6 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
     return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
 
 
-@safe_entry
 def layer_norm_shaped(plan: LayerNormPlan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The op on x of any shape (see :mod:`gradops.ops._plan`): y of x's shape, mean and variance float32 of
@@ -73,7 +71,6 @@ def _layer_norm_grad_run(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, 
         raise statistic_error("layer_norm_grad", "variance", variance, float(epsilon))
 
 
-@safe_entry
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float, *,
                     out: tuple[Tensor, Tensor] | None = None, check_statistics: bool = False
                     ) -> tuple[Tensor, Tensor]:
@@ -87,7 +84,6 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     return finish(pdx, _outs(out, 0)), finish(res, _outs(out, 1))
 
 
-@safe_entry
 def layer_norm_grad_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
                            gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`layer_norm_shaped`): pdx and res_for_gamma of x's shape; the
@@ -110,7 +106,6 @@ def _grad_beta_run(res_for_gamma: Tensor, dy: Tensor, pd_gamma: Tensor, pd_beta:
     kernel("layer_norm_grad_beta", (dense(res_for_gamma), dense(dy), ws), (pd_gamma, pd_beta), (m, n))
 
 
-@safe_entry
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None,
                          workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGradBeta: ``(pd_gamma[N], pd_beta[N])`` in the inputs' dtype, fp32 sums in fixed order."""
@@ -121,7 +116,6 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     return finish(pd_gamma, _outs(out, 0)), finish(pd_beta, _outs(out, 1))
 
 
-@safe_entry
 def layer_norm_grad_beta_shaped(plan: LayerNormPlan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     """The op on its own shapes: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
     n = plan.cols
@@ -147,7 +141,6 @@ def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tens
         raise statistic_error("layer_norm_backward", "rstd", rstd, 0.0)
 
 
-@safe_entry
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                         out: tuple[Tensor, Tensor, Tensor] | None = None, workspace: Tensor | None = None,
                         check_statistics: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,7 +154,6 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     return finish(dx, _outs(out, 0)), finish(dgamma, _outs(out, 1)), finish(dbeta, _outs(out, 2))
 
 
-@safe_entry
 def layer_norm_backward_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                                gamma: Tensor, *, check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The op on its own shapes: dx of x's shape, dgamma and dbeta float32 of gamma's; rstd checked unless it comes

@@ -21,10 +21,9 @@ from ..contract.moe_permute import (
     permutation_error,
     sorted_index_error,
 )
-from ._host import dense, finish, kernel, output, safe_entry
+from ._host import dense, finish, kernel, output
 
 
-@safe_entry
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
                       out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """aclnnMoeTokenPermute: ``tokens (T, H)``, expert ids ``indices (T, K)`` or ``(T,)`` -> ``(permuted (num_rows,
@@ -52,14 +51,12 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
     return finish(permuted, out[0]), finish(inverse, out[1])
 
 
-@safe_entry
 def moe_token_permute_shaped(plan: MoePlan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                              padded_mode: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
     return moe_token_permute(tokens, indices, plan.rows)
 
 
-@safe_entry
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
                            out: Tensor | None = None) -> Tensor:
     """aclnnMoeTokenPermuteGrad: ``grad[A,H]``, checked ``sorted_indices[T·K]`` -> ``out[T,H]`` (grad's dtype).
@@ -86,7 +83,6 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     return finish(buf, out)
 
 
-@safe_entry
 def moe_token_permute_grad_shaped(plan: MoePlan, grad: Tensor, sorted_indices: Tensor, num_topk: int,
                                   padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones). The
@@ -94,7 +90,6 @@ def moe_token_permute_grad_shaped(plan: MoePlan, grad: Tensor, sorted_indices: T
     return moe_token_permute_grad(grad, sorted_indices, num_topk)
 
 
-@safe_entry
 def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None, *,
                         out: Tensor | None = None) -> Tensor:
     """aclnnMoeTokenUnpermute: ``(A, H)`` rows, ``sorted_indices (T·K,)``, ``probs (T, K)`` or None (K = 1)
@@ -113,14 +108,12 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     return finish(buf, out)
 
 
-@safe_entry
 def moe_token_unpermute_shaped(plan: MoePlan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                                padded_mode: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
     return moe_token_unpermute(permuted_tokens, sorted_indices, probs)
 
 
-@safe_entry
 def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                              probs: Tensor | None, *, trusted: bool = False,
                              out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -149,7 +142,6 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     return finish(dx, out[0]), (finish(dp, out[1]) if probs is not None else dp)
 
 
-@safe_entry
 def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad_unpermuted: Tensor,
                                     sorted_indices: Tensor, probs: Tensor | None, padded_mode: bool = False, *,
                                     trusted: bool = False) -> tuple[Tensor, Tensor]:

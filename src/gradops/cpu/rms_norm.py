@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..contract.rms_norm import RmsNormPlan
 from . import _pool
-from ._host import dense, finish, kernel, output, row_blocks, safe_entry
+from ._host import dense, finish, kernel, output, row_blocks
 
 
 def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Tensor, m: int, n: int) -> None:
@@ -21,7 +21,6 @@ def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Ten
     kernel("rms_norm", (dense(x), dense(gamma)), (y, rstd), (m, n), (float(epsilon),))
 
 
-@safe_entry
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor]:
     """``(y[M,N] x.dtype, rstd[M] fp32)`` of the 2-D view ``x``; ``out`` = preallocated ``(y, rstd)``."""
@@ -32,7 +31,6 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
     return finish(y, out[0] if out else None), finish(rstd, out[1] if out else None)
 
 
-@safe_entry
 def rms_norm_shaped(plan: RmsNormPlan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """The op on x of any shape (``plan``: its rows x cols view, see :mod:`gradops.ops._plan`): ``y`` of x's
     shape, ``rstd`` float32 of ``plan.rstd_shape``."""
@@ -66,7 +64,6 @@ def _rms_norm_grad_run(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, dx: T
     kernel("rms_norm_grad", inputs, (dx, dgamma), (m, n))
 
 
-@safe_entry
 def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tuple[Tensor, Tensor] | None = None,
                   workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """aclnnRmsNormGrad on the 2-D views: ``(dx[M,N] dy.dtype, dgamma[N] fp32)`` (formulas: native/rms_norm.cpp).
@@ -86,7 +83,6 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
     return finish(dx, out[0] if out else None), finish(dgamma, out[1] if out else None)
 
 
-@safe_entry
 def rms_norm_grad_shaped(plan: RmsNormPlan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor
                          ) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`rms_norm_shaped`): dx of dy's shape, dgamma float32 of gamma's."""

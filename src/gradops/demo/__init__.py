@@ -85,7 +85,7 @@ def device_arg(name: str) -> torch.device:
 
 def check_backends(device: torch.device) -> None:
     """Refuse, before any work, a backend named in ``GRADOPS_BACKEND`` that cannot run the demo's operators on
-    ``device`` (Triton on CPU tensors without ``TRITON_INTERPRET=1``, numba missing for ``cpu``).
+    ``device`` (Triton on CPU tensors without ``TRITON_INTERPRET=1``, CPU kernels not built for ``cpu``).
 
     Raises:
         CommandError: the backend's reason, naming the variable.

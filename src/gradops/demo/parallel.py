@@ -139,11 +139,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"corpus: {source}")
     started = time.perf_counter()
     single = _single(args, cfg, text)
-    # The ranks share the cores: numba's pool at its default (every core) in each rank made a step 7x slower on the
-    # 2-core VM (1108 vs 150 ms at --ep 2), so each rank gets its share unless NUMBA_NUM_THREADS says otherwise.
-    before = os.environ.get("NUMBA_NUM_THREADS")
-    os.environ["NUMBA_NUM_THREADS"] = before or str(max(1, (os.cpu_count() or 1) // world))
-    print(f"numba threads per rank: {os.environ['NUMBA_NUM_THREADS']}")
     with tempfile.TemporaryDirectory(prefix="gradops-ep-") as tmp:
         out = str(Path(tmp, "rank0.pt"))
         try:
@@ -152,9 +147,6 @@ def run(args: argparse.Namespace) -> int:
         except mp.ProcessRaisedException:
             errors = "\n".join(p.read_text() for p in sorted(Path(tmp).glob("*.error*")))
             raise SystemExit(f"gradops demo --ep: a rank failed\n{errors}") from None
-        finally:
-            if before is None:
-                del os.environ["NUMBA_NUM_THREADS"]
         ep = torch.load(out)
     log_every = args.log_every or max(1, args.steps // 15)
     print(f"\n{'step':>6} {'ep':>9} {'single':>9} {'|diff|':>9}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .training import History
 
-#: Steps whose time is left out of the ratio: the first calls pay one-off costs (numba / Triton compilation,
+#: Steps whose time is left out of the ratio: the first calls pay one-off costs (Triton / inductor compilation,
 #: allocator warm-up) that say nothing about the steady state.
 WARMUP_STEPS = 5
 

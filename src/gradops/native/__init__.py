@@ -1,17 +1,18 @@
-"""gradops' native autograd nodes (``autograd.cpp``): the eager training path of :mod:`gradops.nn` on CPU without
-Python in the backward.
+"""gradops' C++ extension: the CPU kernels (``kernels.h`` and one file per op family), the native autograd nodes
+(``autograd.cpp``) and the direct calls (``direct.cpp``).
 
-A ``torch.autograd.Function`` costs a Python call per forward and per backward; around ATen's own kernels it is
-already 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2 cores). These nodes are C++
-autograd nodes written as torch's generated ones are, and call the same compiled CPU kernels as the Python path by
-address, split over torch's own threads, so results are the same bits; see ``autograd.cpp`` for what stays in
-Python (validation, the double backward). The same extension replays the public functions' eager calls that
-nothing records from programs remembered per argument metadata (``direct.cpp``, :mod:`gradops.cpu.programs`).
+The kernels are what :mod:`gradops.cpu` runs (:func:`kernels`). A ``torch.autograd.Function`` costs a Python call
+per forward and per backward; around ATen's own kernels it is already 1.3-1.4x torch's native node at 64 x 128
+(fwd + bwd, 2 cores). The nodes are C++ autograd nodes written as torch's generated ones are, and call the same
+registered kernels as the Python path, so results are the same bits; see ``autograd.cpp`` for what stays in Python
+(validation, the double backward). The same extension replays the public functions' eager calls that nothing
+records from programs remembered per argument metadata (``direct.cpp``, :mod:`gradops.cpu.programs`).
 
-The extension is built once per (source, torch, Python) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``, else
-``~/.cache/gradops``), by ``python -m gradops.native`` (scripts/setup.sh runs it; ~30 s with g++ on 2 cores).
-It is never built implicitly: without it, or with ``GRADOPS_NATIVE=0``, every call takes the Python path (the same
-results, ~50-60 µs more per training step at small sizes). :func:`status` says which and why.
+The extension is built once per (source, torch, Python, CPU) into ``<cache>/native/<tag>`` (``GRADOPS_CACHE_DIR``,
+else ``~/.cache/gradops``): by gradops' install, else by the first ``import gradops`` (:func:`ensure_built`, ~2 min
+with g++ on 2 cores), or by hand with ``python -m gradops.native``. ``GRADOPS_NATIVE=0`` takes the Python path of
+each call (the same results, ~50-60 µs more per training step at small sizes; the kernels are the extension's
+either way). :func:`status` says which path runs and why.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def build_dir() -> Path:
 
 def _library() -> Path:
     return build_dir() / f"{name()}.so"  # torch.utils.cpp_extension's name for it, whatever the Python
+
+
+def built() -> bool:
+    """Whether the extension is built for this torch, Python and CPU (loaded, or its library in the cache)."""
+    return _loaded is not None or _library().exists()
 
 
 def enabled() -> bool:
@@ -217,8 +223,10 @@ def _load(library: Path) -> ModuleType:
 
 
 def module() -> ModuleType | None:
-    """The loaded extension, or None (see :func:`status`). Loads it on first call when it is built."""
-    global _module, _why, _tried, _loaded
+    """The extension for the native path, or None (see :func:`status`): loaded on first call when it is built (a
+    library that does not load is rebuilt, see :func:`kernels`); never built here, inside a call: that is the
+    install's or the first import's."""
+    global _module, _why, _tried
     if _tried:
         return _module
     _tried = True
@@ -226,31 +234,25 @@ def module() -> ModuleType | None:
         _why = "set_enabled(False)" if _switched_off else f"{ENV}=0"
         return None
     library = _library()
-    if not library.exists():
+    if _loaded is None and not library.exists():
         _why = f"not built ({library} is missing): run python -m gradops.native"
         return None
     try:
-        loaded = _loaded if _loaded is not None else _load(library)
-    except Exception as err:  # a library built against another torch, a broken file: the Python path runs
-        _why = f"loading {library} failed: {type(err).__name__}: {err}"
+        loaded = kernels()
+    except ImportError as err:  # built against another torch and not rebuildable, no compiler: the Python path
+        _why = str(err)
         return None
-    _loaded = loaded
     _module, _why = loaded, "loaded"
     return _module
 
 
 def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
     """The extension's function for ``op`` (``hardswish``, ``layer_norm``, ``embedding``), or None when the native
-    nodes cannot run here: not loaded, or a child forked after numba's GNU OpenMP pool ran (see
-    :func:`gradops.cpu._host.native_launch_ok`). ``differentiable(inputs, extra)`` is the op's Python backward, for
+    nodes are not used here (see :func:`module`). ``differentiable(inputs, extra)`` is the op's Python backward, for
     the backwards the kernels do not run (``create_graph=True``, a forked child, a gradient that is not a plain
     tensor: see autograd.cpp), registered with the extension on first use."""
     ext = module()
     if ext is None:
-        return None
-    from ..cpu._host import native_launch_ok
-
-    if not native_launch_ok():
         return None
     if op not in _registered:
         ext.set_differentiable(getattr(ext, _OPS[op]), differentiable)
@@ -260,14 +262,10 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
 
 def function(name: str) -> Callable | None:
     """The extension's function ``name`` for the public functions' eager calls (``hardswish_forward``,
-    ``hardswish_backward``: the kernels' pieces on torch's threads, no autograd), or None where :func:`node` would
-    be None (not loaded, a forked child of numba's GNU OpenMP)."""
+    ``hardswish_backward``: the registered kernels on torch's threads, no autograd), or None where :func:`node`
+    would be None."""
     ext = module()
-    if ext is None:
-        return None
-    from ..cpu._host import native_launch_ok
-
-    return getattr(ext, name) if native_launch_ok() else None
+    return None if ext is None else getattr(ext, name)
 
 
 def forget_plans() -> None:

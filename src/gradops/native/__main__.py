@@ -31,22 +31,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def install_time_build() -> int:
-    """The build gradops' install runs (build_backend/gradops_build.py): the extension for the environment's torch,
-    with one line before and after; 0 whatever happens (a failure is said, and the first import tries again)."""
-    import time
-
-    start = time.perf_counter()
-    print(f"gradops: building the native CPU kernels into {build_dir()}", file=sys.stderr, flush=True)
-    try:
-        build()
-    except Exception as err:
-        print(f"gradops: native build failed ({type(err).__name__}: {err}); the first import tries again",
-              file=sys.stderr)
-        return 0
-    print(f"gradops: native CPU kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return 0
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,11 +4,9 @@
 // ATen's own hardswish kernels such a Function costs 1.3-1.4x torch's native node at 64 x 128 (fwd + bwd, 2
 // cores: 106-116 µs against 78-88), so no Python autograd path can come within 1.25x of torch at
 // small sizes. These nodes are C++ autograd nodes written as torch's generated ones are (see HardswishBackward for
-// why not torch::autograd::Function) whose forward and backward call gradops' compiled CPU kernels: numba cfuncs,
-// handed over as addresses (gradops.cpu.programs' pieces, the calling convention of gradops::PieceFn), each a
-// serial piece of the kernel that the nodes split over torch's own intra-op threads (at::parallel_for: one thread
-// pool for gradops' kernels and ATen's; numba's would be a second OpenMP runtime whose threads compete with
-// torch's for the cores). The same kernels as the Python path, the same operation order: the same bits.
+// why not torch::autograd::Function) whose forward and backward call gradops' registered CPU kernels (kernels.h),
+// which split their work over torch's own intra-op threads (at::parallel_for: one thread pool for gradops' kernels
+// and ATen's). The same kernels as the Python path and the direct calls: the same bits.
 //
 // What stays in Python: validation (gradops' call plan, on the first call of each argument metadata; the plan's
 // answer is then remembered here, so a repeated call is one C++ call after the tests only Python can make), and
@@ -19,7 +17,7 @@
 // float32 rounding, tests/test_native.py.)
 //
 // Every tensor handed to a kernel is contiguous (the caller checks the inputs; the upstream gradient is made
-// contiguous here) and lives until the kernel returns; addresses travel as int64.
+// contiguous here) and lives until the kernel returns.
 
 #include "common.h"
 
@@ -55,31 +53,15 @@
 
 namespace py = pybind11;
 using at::Tensor;
-using gradops::addr;
 using gradops::forked;
-using gradops::kParallelMin;
 using gradops::output;
-using gradops::call;
-using gradops::parallel;
-using gradops::PieceFn;
 using torch::autograd::variable_list;
 
 PyTypeObject* gradops::plain_types[2] = {nullptr, nullptr};
 
 namespace {
 
-// A node's kernel pieces, addresses in the order gradops.cpu.programs' *_node_pieces return them.
-using Kernels = std::vector<int64_t>;
-
-// ``f(lo, hi)`` over [0, n), in one piece below kParallelMin items. Element i belongs to one piece whatever the
-// thread count: the kernels called here are elementwise or per row, so the result bits never depend on the split.
-template <class F>
-void split(int64_t n, const F& f) {
-  parallel(0, n, kParallelMin, f);
-}
-
 enum Op { kHardswish = 0, kLayerNorm = 1, kEmbedding = 2, kOps = 3 };
-
 
 // Whether the kernels may read ``t`` by address: a dense CPU tensor with storage and no key that changes what its
 // memory means. An upstream gradient can be none of that: a legacy-vmap BatchedTensor (autograd.grad with
@@ -565,8 +547,8 @@ bool recordable(py::args args) { return recordable_handles(args); }
 
 // ---- remembered plans: the Python call plan's answer for the native node, per argument metadata
 //
-// After gradops.ops validated a call and found a native node for it (the call plan), it hands the node's kernels
-// here with the arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
+// After gradops.ops validated a call and found a native node for it (the call plan), it says so here with the
+// arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
 // small training step on 2 cores). The key is what the plan depends on: each tensor's dtype and
 // sizes (all contiguous CPU tensors, checked per call), the scalar, and the two environment variables the
 // backend decision reads. gradops forgets them with its own plans (gradops.ops._plan.forget_all: a fork, the
@@ -575,7 +557,6 @@ struct Plan {
   std::vector<int64_t> key;
   double scalar;
   std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered ("\x01": unset)
-  Kernels kernels;
 };
 std::vector<Plan> plans[kOps];
 constexpr size_t kPlanLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
@@ -601,21 +582,10 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
   return nullptr;
 }
 
-// The number of kernel pieces each op's node calls (gradops.cpu.programs): a node indexes them unchecked.
-constexpr size_t kKernelCount[kOps] = {3, 0, 0};
-
-void check_kernels(Op op, const Kernels& kernels) {
-  // An op whose node calls its registered kernels (kernels.h) by themselves takes no addresses.
-  TORCH_CHECK(kernels.empty() || kernels.size() == kKernelCount[op], "gradops.native: op ", static_cast<int>(op),
-              " takes ", kKernelCount[op], " kernel addresses or none, got ", kernels.size());
-}
-
 // ``ints``: the op's integer arguments (the embedding's padding row and scaling), part of the key after the tensors.
-void remember(int64_t op, std::vector<Tensor> tensors, double scalar, Kernels kernels, std::vector<int64_t> ints) {
+void remember(int64_t op, std::vector<Tensor> tensors, double scalar, std::vector<int64_t> ints) {
   TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
-  check_kernels(static_cast<Op>(op), kernels);
-  Plan plan{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET"),
-            std::move(kernels)};
+  Plan plan{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET")};
   for (const Tensor& t : tensors) {
     if (!add_key(plan.key, t)) return;
   }
@@ -760,36 +730,31 @@ void require_whole(const Tensor& t, const char* name) {
               t.has_storage() ? t.storage().nbytes() : 0, " bytes (freed or shrunk: untyped_storage().resize_())");
 }
 
-Tensor hardswish(const Tensor& x, Kernels kernels) {
-  check_kernels(kHardswish, kernels);
+Tensor hardswish(const Tensor& x) {
   require_whole(x, "x");
   return gradops_native::hardswish_node(x);
 }
 
-Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Kernels kernels) {
-  check_kernels(kLayerNorm, kernels);
+Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps) {
   require_whole(x, "x");
   require_whole(gamma, "gamma");
   require_whole(beta, "beta");
   return gradops_native::layer_norm_node(x, gamma, beta, eps);
 }
 
-py::object embedding(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale, Kernels kernels) {
-  check_kernels(kEmbedding, kernels);
+py::object embedding(const Tensor& weight, const Tensor& indices, int64_t padding, bool scale) {
   require_whole(weight, "weight");
   require_whole(indices, "indices");
   Tensor y = gradops_native::embedding_node(weight, indices, padding, scale);
   return y.defined() ? py::cast(y) : py::none();
 }
 
-Tensor hardswish_function(const Tensor& x, Kernels kernels) {
-  check_kernels(kHardswish, kernels);
+Tensor hardswish_function(const Tensor& x) {
   require_whole(x, "x");
   return gradops_native::hardswish_values(x);
 }
 
-Tensor hardswish_backward_function(const Tensor& g, const Tensor& x, Kernels kernels) {
-  check_kernels(kHardswish, kernels);
+Tensor hardswish_backward_function(const Tensor& g, const Tensor& x) {
   require_whole(g, "grad_output");
   require_whole(x, "x");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
@@ -826,7 +791,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_empty", &pool_empty, "a contiguous CPU tensor from the output pool (1 MiB and more)");
   m.def("pool_clear", &pool_clear, "free the pool's free blocks; their bytes");
   m.def("pool_free_bytes", &pool_free_bytes, "bytes in the pool's free blocks");
-  m.def("remember", &remember, "the native node's kernels for calls with these tensors' metadata and scalar");
+  m.def("remember", &remember, "the native node for calls with these tensors' metadata, scalar and ints");
   m.def("forget", &forget, "drop every remembered plan");
   if (PyModule_AddFunctions(m.ptr(), planned_functions) != 0) throw py::error_already_set();
   gradops::register_direct(m);

@@ -38,17 +38,7 @@ inline bool hollow(const at::Tensor& t) {
   return storage.data() == nullptr || storage.nbytes() < static_cast<size_t>(reach) * t.element_size();
 }
 
-// A kernel piece (gradops.cpu.programs: a numba cfunc): reads its arguments from the int64 array at ``args``
-// (addresses, integers, float64 bits), runs its work items [lo, hi); returns -1, or a position whose value the op
-// refuses. The one calling convention of every compiled kernel the extension runs, nodes and direct calls alike.
-using PieceFn = int64_t (*)(int64_t args, int64_t lo, int64_t hi);
-
-template <size_t N>
-int64_t call(PieceFn fn, const std::array<int64_t, N>& args, int64_t lo, int64_t hi) {
-  return fn(reinterpret_cast<int64_t>(args.data()), lo, hi);
-}
-
-// A float64 as the int64 bits a piece reads it from.
+// A float64 as int64 bits (a float argument's entry in a direct call's key).
 inline int64_t float_bits(double value) {
   int64_t bits;
   std::memcpy(&bits, &value, sizeof bits);

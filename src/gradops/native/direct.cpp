@@ -5,16 +5,13 @@
 // outputs 3.8, the kernel call with its tensors by address 1.8, the layers between them the rest), against 2-11 µs
 // for ATen's own kernels. Every part of that is a function of the arguments' metadata alone, so it is decided once.
 //
-// What Python hands over (gradops.cpu.programs), once gradops' call plan validated a call and chose the compiled CPU
-// kernels: the op's program for these argument metadata - the outputs to allocate (sizes, dtype, zeroed or not),
-// scratch buffers, and steps: a kernel piece (a numba cfunc ``int64 piece(int64 args, int64 lo, int64 hi)`` that
-// reads its arguments from an int64 array and runs work items [lo, hi)), its arguments (an input's, output's or
-// scratch buffer's address, or a value), and how its work items split over torch's threads. The pieces are the
-// Python path's own per-row / per-block functions and the split never changes which piece computes which bits, so
-// the results are the Python path's bits. A later call with the same metadata is this file: the eager test, the
-// key, the allocations, the steps.
+// What Python hands over (gradops.cpu.programs), once gradops' call plan validated a call and chose the CPU kernels:
+// the op's program for these argument metadata - the outputs to allocate (sizes, dtype) and the registered kernel
+// (kernels.h) that fills them, with its inputs and outputs as slots and its ints and floats. The kernel is the one
+// the Python path runs, so the results are the Python path's bits. A later call with the same metadata is this
+// file: the eager test, the key, the allocations, the kernel.
 //
-// A step that returns >= 0 found a value the op refuses (an index outside a table, a negative rstd): the call
+// A kernel that returns >= 0 found a value the op refuses (an index outside a table, a negative variance): the call
 // returns None and the Python path runs, which raises the op's OpError. So does every call this file cannot take
 // as it is: something watches calls (a mode, a transform, the profiler, a tracer), autograd would record it, an
 // argument is not a plain contiguous CPU tensor or a simple scalar, a child of fork().
@@ -26,7 +23,6 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
-#include <atomic>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -37,26 +33,19 @@ namespace {
 namespace py = pybind11;
 using at::Tensor;
 
-using gradops::PieceFn;
-
-// What a step argument is: the address of the call's input i, of output i, of scratch buffer i, or the value itself.
-enum Slot : int64_t { kInput = 0, kOutput = 1, kScratch = 2, kValue = 3, kAbsent = 4 };
+// What a kernel argument is: the call's input i, output i, or an absent optional tensor (an undefined one).
+enum Slot : int64_t { kInput = 0, kOutput = 1, kAbsent = 4 };
 constexpr size_t kMaxArgs = 32;
 
 struct Buffer {
   std::vector<int64_t> sizes;
   at::ScalarType dtype;
-  bool zero;
 };
 
+// One registered kernel (kernels.h) run on the call: it splits its own work over torch's threads.
 struct Step {
-  PieceFn fn;
-  std::vector<std::pair<int64_t, int64_t>> args;  // (Slot, index or value)
-  int64_t count, grain;  // work items [0, count), split over threads in pieces of at least grain (>= count: one)
-  // A registered kernel (kernels.h) instead of a piece: its inputs and outputs as slots (kAbsent: an undefined
-  // tensor), its ints and floats; it splits its own work.
   gradops::Kernel kernel = nullptr;
-  std::vector<std::pair<int64_t, int64_t>> kernel_in, kernel_out;
+  std::vector<std::pair<int64_t, int64_t>> in, out;  // (Slot, index)
   std::vector<int64_t> ints;
   std::vector<double> floats;
 };
@@ -65,7 +54,7 @@ struct Program {
   std::vector<int64_t> key;
   std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered
   bool python = true;              // no program: the call takes gradops' Python path (another backend, empty tensors)
-  std::vector<Buffer> outputs, scratch;
+  std::vector<Buffer> outputs;
   std::vector<Step> steps;
   std::vector<int64_t> results;  // the outputs returned, in order
   bool tuple = false;            // returned as a tuple (else the one tensor)
@@ -130,87 +119,37 @@ const Program* find_program(int64_t op, const std::vector<int64_t>& key) {
   return nullptr;
 }
 
-// The program's outputs on the call's inputs, or None when a step refused a value. ``given``: the caller's tensors
-// for the program's results (an ``out=`` call, see direct_into), written in place; then True, not the outputs.
-// A given output the program zero-fills is zeroed just before the first step that names it: the steps that can
-// refuse a value are checks that read the inputs and write scratch only, and they come first in every program
-// (gradops.cpu.program_norms / program_index), so a refused call leaves the caller's tensors as they were.
+// The program's outputs on the call's inputs, or None when a kernel refused a value. ``given``: the caller's
+// tensors for the program's results (an ``out=`` call, see direct_into), written in place; then True, not the
+// outputs. A kernel that refuses a value does so before it writes anything (kernels.h), so a refused call leaves
+// the caller's tensors as they were.
 py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
                const std::vector<Tensor>* given = nullptr) {
-  std::vector<Tensor> outs(p.outputs.size()), scratch;
-  std::vector<char> zero_later(p.outputs.size(), 0);
+  std::vector<Tensor> outs(p.outputs.size());
   if (given != nullptr) {
-    for (size_t i = 0; i < p.results.size(); ++i) {
-      const int64_t k = p.results[i];
-      outs[k] = (*given)[i];
-      zero_later[k] = p.outputs[k].zero;
-    }
+    for (size_t i = 0; i < p.results.size(); ++i) outs[p.results[i]] = (*given)[i];
   }
   // A buffer memory cannot hold (embedding_dense_backward's num_weights alone sizes its table: 2**40 rows of 4
   // floats are 16 TiB) takes the Python path, whose op raises its OpError naming the argument that sized it.
   try {
     for (size_t k = 0; k < outs.size(); ++k) {
-      if (outs[k].defined()) continue;
-      const Buffer& b = p.outputs[k];
-      outs[k] = gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype));
-      if (b.zero) outs[k].zero_();
-    }
-    scratch.reserve(p.scratch.size());
-    for (const Buffer& b : p.scratch) {
-      scratch.push_back(gradops::output(b.sizes, at::TensorOptions().dtype(b.dtype)));
-      if (b.zero) scratch.back().zero_();
+      if (!outs[k].defined()) outs[k] = gradops::output(p.outputs[k].sizes, at::TensorOptions().dtype(p.outputs[k].dtype));
     }
   } catch (const c10::Error&) {
     return py::none();
   }
   auto tensor_at = [&](const std::pair<int64_t, int64_t>& slot) -> Tensor {
-    const auto [kind, v] = slot;
-    if (kind == kOutput && zero_later[v]) {
-      outs[v].zero_();
-      zero_later[v] = 0;
-    }
-    return kind == kInput ? *inputs[v] : kind == kOutput ? outs[v] : kind == kScratch ? scratch[v] : Tensor();
+    return slot.first == kInput ? *inputs[slot.second] : slot.first == kOutput ? outs[slot.second] : Tensor();
   };
   for (const Step& s : p.steps) {
-    if (s.kernel != nullptr) {
-      std::array<Tensor, kMaxArgs> in, out;
-      for (size_t i = 0; i < s.kernel_in.size(); ++i) in[i] = tensor_at(s.kernel_in[i]);
-      for (size_t i = 0; i < s.kernel_out.size(); ++i) out[i] = tensor_at(s.kernel_out[i]);
-      const gradops::KernelArgs a{c10::ArrayRef<Tensor>(in.data(), s.kernel_in.size()),
-                                  c10::ArrayRef<Tensor>(out.data(), s.kernel_out.size()), s.ints, s.floats};
-      if (s.kernel(a) >= 0) return py::none();
-      continue;
-    }
-    std::array<int64_t, kMaxArgs> values;
-    for (size_t i = 0; i < s.args.size(); ++i) {
-      const auto [slot, v] = s.args[i];
-      if (slot == kOutput && zero_later[v]) {
-        outs[v].zero_();
-        zero_later[v] = 0;
-      }
-      values[i] = slot == kInput ? gradops::addr(*inputs[v])
-                  : slot == kOutput ? gradops::addr(outs[v])
-                  : slot == kScratch ? gradops::addr(scratch[v])
-                  : v;
-    }
-    const int64_t at_values = reinterpret_cast<int64_t>(values.data());
-    int64_t bad = -1;
-    if (s.grain >= s.count) {
-      bad = s.fn(at_values, 0, s.count);
-    } else {
-      std::atomic<int64_t> found{-1};
-      gradops::parallel(0, s.count, s.grain, [&](int64_t lo, int64_t hi) {
-        const int64_t r = s.fn(at_values, lo, hi);
-        if (r >= 0) found.store(r, std::memory_order_relaxed);
-      });
-      bad = found.load();
-    }
-    if (bad >= 0) return py::none();
+    std::array<Tensor, kMaxArgs> in, out;
+    for (size_t i = 0; i < s.in.size(); ++i) in[i] = tensor_at(s.in[i]);
+    for (size_t i = 0; i < s.out.size(); ++i) out[i] = tensor_at(s.out[i]);
+    const gradops::KernelArgs a{c10::ArrayRef<Tensor>(in.data(), s.in.size()),
+                                c10::ArrayRef<Tensor>(out.data(), s.out.size()), s.ints, s.floats};
+    if (s.kernel(a) >= 0) return py::none();
   }
   if (given != nullptr) {
-    for (size_t k = 0; k < outs.size(); ++k) {
-      if (zero_later[k]) outs[k].zero_();  // a zero-filled result no step named
-    }
     for (const Tensor& t : *given) t.unsafeGetTensorImpl()->bump_version();  // written in place, as out= ops do
     return py::bool_(true);
   }
@@ -320,16 +259,16 @@ std::vector<Buffer> buffers(const py::list& specs) {
   std::vector<Buffer> out;
   for (py::handle spec : specs) {
     auto item = spec.cast<py::tuple>();
-    TORCH_CHECK(item.size() == 3, "gradops.native: a buffer is (sizes, dtype, zero)");
-    out.push_back({item[0].cast<std::vector<int64_t>>(), dtype_of(item[1]), item[2].cast<bool>()});
+    TORCH_CHECK(item.size() == 2, "gradops.native: an output is (sizes, dtype)");
+    out.push_back({item[0].cast<std::vector<int64_t>>(), dtype_of(item[1])});
   }
   return out;
 }
 
 // Remembers op's program for calls with the metadata of ``call`` (the arguments as the op takes them).
-// ``python``: no program, such calls take gradops' Python path. ``outputs``, ``scratch``: (sizes, dtype, zero)
-// each; ``steps``: (piece address, [(slot, index or value)], count, grain) each; ``results``: output indexes.
-void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, py::list scratch, py::list steps,
+// ``python``: no program, such calls take gradops' Python path. ``outputs``: (sizes, dtype) each; ``steps``:
+// (kernel name, input slots, output slots, ints, floats) each, a slot (Slot, index); ``results``: output indexes.
+void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, py::list steps,
                      std::vector<int64_t> results, bool tuple) {
   TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native: unknown op ", op);
   Program p;
@@ -340,44 +279,26 @@ void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, 
   p.python = python;
   if (!python) {
     p.outputs = buffers(outputs);
-    p.scratch = buffers(scratch);
     auto slot_of = [&](py::handle arg) {
       auto [slot, v] = arg.cast<std::pair<int64_t, int64_t>>();
-      const size_t limit = slot == kInput ? tensors.size() : slot == kOutput ? p.outputs.size()
-                           : slot == kScratch ? p.scratch.size() : 0;
-      TORCH_CHECK(slot == kAbsent || (slot >= kInput && slot <= kScratch && v >= 0 && static_cast<size_t>(v) < limit),
+      const size_t limit = slot == kInput ? tensors.size() : slot == kOutput ? p.outputs.size() : 0;
+      TORCH_CHECK(slot == kAbsent || ((slot == kInput || slot == kOutput) && v >= 0 && static_cast<size_t>(v) < limit),
                   "gradops.native: kernel argument (", slot, ", ", v, ") names no tensor");
       return std::make_pair(slot, v);
     };
     for (py::handle spec : steps) {
       auto item = spec.cast<py::tuple>();
-      if (item.size() == 5) {  // (kernel name, input slots, output slots, ints, floats)
-        Step s{nullptr, {}, 1, 1};
-        const auto kernel_name = item[0].cast<std::string>();
-        s.kernel = gradops::find_kernel(kernel_name);
-        TORCH_CHECK(s.kernel != nullptr, "gradops.native: no kernel named ", kernel_name);
-        for (py::handle arg : item[1]) s.kernel_in.push_back(slot_of(arg));
-        for (py::handle arg : item[2]) s.kernel_out.push_back(slot_of(arg));
-        TORCH_CHECK(s.kernel_in.size() <= kMaxArgs && s.kernel_out.size() <= kMaxArgs,
-                    "gradops.native: a kernel takes at most ", kMaxArgs, " inputs and outputs");
-        s.ints = item[3].cast<std::vector<int64_t>>();
-        s.floats = item[4].cast<std::vector<double>>();
-        p.steps.push_back(std::move(s));
-        continue;
-      }
-      TORCH_CHECK(item.size() == 4, "gradops.native: a step is (piece, args, count, grain)");
-      Step s{reinterpret_cast<PieceFn>(item[0].cast<int64_t>()), {}, item[2].cast<int64_t>(),
-             item[3].cast<int64_t>()};
-      TORCH_CHECK(s.fn != nullptr && s.count >= 1 && s.grain >= 1, "gradops.native: bad step");
-      for (py::handle arg : item[1]) {
-        auto [slot, v] = arg.cast<std::pair<int64_t, int64_t>>();
-        const size_t limit = slot == kInput ? tensors.size() : slot == kOutput ? p.outputs.size()
-                             : slot == kScratch ? p.scratch.size() : 0;
-        TORCH_CHECK(slot == kValue || (slot >= kInput && slot <= kScratch && v >= 0 && static_cast<size_t>(v) < limit),
-                    "gradops.native: step argument (", slot, ", ", v, ") names no buffer");
-        s.args.emplace_back(slot, v);
-      }
-      TORCH_CHECK(s.args.size() <= kMaxArgs, "gradops.native: a step takes at most ", kMaxArgs, " arguments");
+      TORCH_CHECK(item.size() == 5, "gradops.native: a step is (kernel name, inputs, outputs, ints, floats)");
+      Step s;
+      const auto kernel_name = item[0].cast<std::string>();
+      s.kernel = gradops::find_kernel(kernel_name);
+      TORCH_CHECK(s.kernel != nullptr, "gradops.native: no kernel named ", kernel_name);
+      for (py::handle arg : item[1]) s.in.push_back(slot_of(arg));
+      for (py::handle arg : item[2]) s.out.push_back(slot_of(arg));
+      TORCH_CHECK(s.in.size() <= kMaxArgs && s.out.size() <= kMaxArgs, "gradops.native: a kernel takes at most ",
+                  kMaxArgs, " inputs and outputs");
+      s.ints = item[3].cast<std::vector<int64_t>>();
+      s.floats = item[4].cast<std::vector<double>>();
       p.steps.push_back(std::move(s));
     }
     for (int64_t r : results) {
@@ -415,8 +336,6 @@ void gradops::register_direct(py::module_& m) {
   m.attr("MISS") = py::ellipsis();
   m.attr("INPUT") = static_cast<int64_t>(kInput);
   m.attr("OUTPUT") = static_cast<int64_t>(kOutput);
-  m.attr("SCRATCH") = static_cast<int64_t>(kScratch);
-  m.attr("VALUE") = static_cast<int64_t>(kValue);
   m.attr("ABSENT") = static_cast<int64_t>(kAbsent);
   m.attr("MAX_ARGS") = static_cast<int64_t>(kMaxArgs);
   m.def("direct", &direct, "direct(op, *args): the public function's eager call from a remembered program, None "

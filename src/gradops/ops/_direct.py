@@ -174,10 +174,8 @@ def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...
     entry = planner(*tensors, *extra).native
     if entry is None or not all(t.is_contiguous() for t in tensors):
         return None
-    node, kernels = entry
-    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, kernels,
-                 [int(i) for i in ints])
-    return node(*tensors, *extra, kernels)
+    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, [int(i) for i in ints])
+    return entry(*tensors, *extra)
 
 
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -374,7 +372,7 @@ class DirectOp:
         the extension; False when there is none (the Python path runs such calls)."""
         program = self.planner.program_of(self.planner(*args), args)
         if program is None:
-            ext.remember_direct(op, args, True, [], [], [], [], False)
+            ext.remember_direct(op, args, True, [], [], [], False)
             return False
         ext.remember_direct(op, args, *program.spec())
         return True

@@ -35,8 +35,8 @@ class CallPlan(NamedTuple):
     :class:`~gradops.backend.Choice` for the tensors' device (``backend.fn`` runs the op on the 2-D views);
     ``run(shape, *args)``, the op on its own arguments, results in the op's shapes: the backend's shaped entry
     where it has one (the compiled CPU kernels take any contiguous shape by address: no view, reshape or detach
-    per tensor, each ~0.6-1.3 µs), else the op's adapter around ``backend.fn``; ``native``, what the op's native
-    autograd node needs for these arguments (its kernels' C addresses, see :mod:`gradops.native`), or None where
+    per tensor, each ~0.6-1.3 µs), else the op's adapter around ``backend.fn``; ``native``, the op's native
+    autograd node or extension function that runs these arguments (see :mod:`gradops.native`), or None where
     the call takes the Python path (no native node for the op, another backend, the extension not loaded)."""
 
     shape: Any

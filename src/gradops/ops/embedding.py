@@ -211,14 +211,10 @@ _NATIVE_INDICES = (torch.int32, torch.int64)
 
 def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool):
     """The native Embedding node for these dtypes, or None (see :mod:`gradops.native`). It runs the registered
-    kernels ``embedding`` and ``embedding_dense_backward`` (native/embedding.cpp) itself: no addresses to hand
-    over."""
+    kernels ``embedding`` and ``embedding_dense_backward`` (native/embedding.cpp)."""
     if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
         return None
-    node = native.node("embedding", _differentiable_backward)
-    if node is None:
-        return None
-    return node, []
+    return native.node("embedding", _differentiable_backward)
 
 
 # The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call

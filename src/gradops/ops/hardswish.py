@@ -15,23 +15,17 @@ from ._plan import Planner
 
 
 def _native_entry(choice, shape, x: Tensor):
-    """The native Hardswish node, or None (see :mod:`gradops.native`); no kernel addresses: the node calls the
-    extension's registered ``hardswish`` / ``hardswish_backward`` kernels itself."""
-    node = native.node("hardswish", _differentiable_backward)
-    if node is None:
-        return None
-    return node, []
+    """The native Hardswish node, or None (see :mod:`gradops.native`): it runs the extension's registered
+    ``hardswish`` / ``hardswish_backward`` kernels."""
+    return native.node("hardswish", _differentiable_backward)
 
 
 def _function_entry(name: str):
-    """The plans' ``native`` hook of the public functions: the extension's ``name`` (no kernel addresses: it calls
-    the registered kernels), or None (see :func:`gradops.native.function`)."""
+    """The plans' ``native`` hook of the public functions: the extension's ``name`` (it runs the registered
+    kernels), or None (see :func:`gradops.native.function`)."""
 
     def entry(choice, shape, *args: Tensor):
-        fn = native.function(name)
-        if fn is None:
-            return None
-        return fn, []
+        return native.function(name)
 
     return entry
 
@@ -51,8 +45,7 @@ def _run(plan, *args: Tensor) -> Tensor:
     """The plan's kernels on ``args``: through the extension (on torch's threads) where the plan has it and the
     tensors are contiguous, else the backend (any layout)."""
     if plan.native is not None and all(t.is_contiguous() for t in args):
-        fn, kernels = plan.native
-        return fn(*args, kernels)
+        return plan.native(*args)
     return own(plan.backend.fn(*args))
 
 

@@ -32,14 +32,11 @@ def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: fl
 
 
 def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon: float):
-    """The native LayerNorm node, or None (an empty x; see :mod:`gradops.native`), with no kernel addresses: the
-    node calls the extension's registered layer_norm kernels (native/layer_norm.cpp) itself."""
+    """The native LayerNorm node, or None (an empty x; see :mod:`gradops.native`): it runs the extension's
+    registered layer_norm kernels (native/layer_norm.cpp)."""
     if not plan.rows or not plan.cols:
         return None
-    node = native.node("layer_norm", _differentiable_backward)
-    if node is None:
-        return None
-    return node, []
+    return native.node("layer_norm", _differentiable_backward)
 
 
 plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
