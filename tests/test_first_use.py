@@ -57,14 +57,17 @@ def test_workers_get_a_new_users_environment(tmp_path, monkeypatch):
 
 
 def test_sweep_summary_counts_the_cases_where_gradops_is_slower(tmp_path):
+    """Slower than torch at all, and beyond the 5% noise allowance of issue 39."""
     path = tmp_path / "sweep.jsonl"
     rows = [{"module": "RMSNorm", "rows": 8, "cols": 8, "dtype": "fp32", "ratio": 0.9},
             {"module": "LayerNorm", "rows": 8, "cols": 8, "dtype": "bf16", "ratio": 1.2},
             {"op": "hardswish_backward", "rows": 64, "cols": 128, "dtype": "fp32", "ratio": 1.0},
+            {"op": "rms_norm_grad", "rows": 64, "cols": 128, "dtype": "fp32", "ratio": 1.04},
             {"op": "hardswish_backward", "rows": 64, "cols": 128, "dtype": "fp32", "dry_run": True}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = first_use._sweep_summary(path)
-    assert summary == {"sweep_cases": 3, "sweep_not_slower": 2, "sweep_slower": ["LayerNorm 8x8 bf16 1.20"]}
+    assert summary == {"sweep_cases": 4, "sweep_not_slower": 2, "sweep_held": 3,  # 1.04 is within the noise
+                       "sweep_slower": ["LayerNorm 8x8 bf16 1.20", "rms_norm_grad 64x128 fp32 1.04"]}
 
 
 @pytest.mark.parametrize("argv, named", [
