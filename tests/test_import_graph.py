@@ -119,3 +119,55 @@ def test_the_cycle_finder_finds_what_it_is_for():
     assert "gradops.cpu" in edges["gradops.backend"], "a module name as a string (backend.MODULES) counts"
     assert "gradops.launch._common" in edges["gradops"], "a lookup inside a function (gradops.synchronize) counts"
     assert "gradops.contract._memo" in edges["gradops.ops.hardswish"], "from ..contract._memo import remembered"
+
+
+_UNDECLARED = r"""
+import builtins, json, sys
+allowed = set(sys.stdlib_module_names) | set(json.loads(sys.argv[1])) | {"gradops", "_typeshed"}
+found = set()
+real = builtins.__import__
+
+
+def watched(name, globals=None, locals=None, fromlist=(), level=0):
+    # what a gradops module imports by absolute name (relative imports stay inside gradops)
+    if level == 0 and globals and str(globals.get("__name__", "")).startswith("gradops"):
+        top = name.partition(".")[0]
+        if top not in allowed:
+            found.add(top)
+    return real(name, globals, locals, fromlist, level)
+
+
+builtins.__import__ = watched
+import importlib
+import torch
+for module in ("gradops", "gradops.cpu", "gradops.nn", "gradops.aclnn", "gradops.ascendc", "gradops.golden",
+               "gradops.golden.files", "gradops.cli", "gradops.npu_compat", "gradops.env", "gradops.check"):
+    importlib.import_module(module)
+import gradops
+x = torch.randn(64, 32)
+gradops.rms_norm_grad(x, x, torch.ones(64), torch.ones(32))
+print(json.dumps(sorted(found)))
+"""
+
+
+def test_gradops_imports_nothing_it_does_not_declare():
+    """Every package a gradops module imports is the standard library's, a dependency or an extra's in
+    pyproject.toml. (numba's removal left numpy imported by the CPU output pool and the golden files but declared
+    nowhere: a fresh environment had no numpy, and the CPU kernels fell back to the reference.)"""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pytest's own dependency
+        import tomli as tomllib
+
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
+                                                 for r in extra)]
+    declared = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower().replace("-", "_") for r in requirements}
+    done = subprocess.run([sys.executable, "-c", _UNDECLARED, json.dumps(sorted(declared))], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "imported by gradops, declared nowhere"
