@@ -24,8 +24,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # triton 3.6 is what the lent GPU machines run: the interpreter tier tests the same Triton.
   # accelerate: transformers' distributed loading (expert parallel, tests/test_transformers_ep.py) imports it.
   # The install builds gradops' CPU kernels (C++, against this torch: build_backend/gradops_build.py).
-  echo "setup: installing gradops[bench,dev] and triton==3.6.0, transformers==5.23.0, accelerate==1.15.0" >&2
-  python -m pip install -q -e "$ROOT[bench,dev]" "triton==3.6.0" "transformers==5.23.0" "accelerate==1.15.0"
+  echo "setup: installing gradops[bench,dev] and triton==3.6.0, transformers==5.24.0, accelerate==1.15.0" >&2
+  python -m pip install -q -e "$ROOT[bench,dev]" "triton==3.6.0" "transformers==5.24.0" "accelerate==1.15.0"
   echo "$want" > "$stamp"
 fi
 # The CPU kernels and native nodes (src/gradops/native): built once per source / torch / Python / CPU into gradops'

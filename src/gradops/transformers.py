@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` models on gradops: the RMSNorm families and the MoE experts.
 
-Two ways in (both need ``pip install 'transformers>=5.23'``, the ``transformers`` extra; tested against
-transformers 5.23.0):
+Two ways in (both need ``pip install 'transformers>=5.23,<5.25'``, the ``transformers`` extra; tested against
+transformers 5.23.0 and 5.24.0):
 
 - ``gradops.patch(model)`` on a model already built: swaps its norms in place (below) and switches its MoE
   experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once);
