@@ -200,3 +200,73 @@ def test_a_cache_folder_that_cannot_be_written_says_so_once_and_computes(tmp_pat
     assert proc.stderr.count("gradops: the native CPU kernels could not be built") == 1, proc.stderr
     assert native.FIX in proc.stderr
     assert backend.FIX == native.FIX
+
+
+def test_a_failed_build_is_said_not_repeated_at_every_import(tmp_path):
+    """A build that failed (a compile error costs a minute) leaves its reason beside the library it did not make;
+    later imports say it in one line and take the reference instead of failing the same build again."""
+    directory = tmp_path / "native" / native._tag()
+    directory.mkdir(parents=True)
+    (directory / native.FAILED).write_text("CalledProcessError: simulated compile error\n")
+    proc = _child(str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.split() == ["torch", "ok"], proc.stderr
+    assert "building" not in proc.stderr and proc.stderr.count("simulated compile error") >= 1, proc.stderr
+    assert proc.stderr.count("gradops: the native CPU kernels could not be built") == 1, proc.stderr
+
+
+def test_a_stale_build_lock_is_removed_and_a_failure_noted(tmp_path, monkeypatch):
+    """A build killed by a timeout leaves torch's lock file, on which the next build would wait forever: one older
+    than STALE_LOCK_S is removed with a warning. A build that fails writes FAILED; one that is tried again
+    removes it first."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(native, "_library", lambda: tmp_path / "missing.so")
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = native.time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    calls = []
+
+    def failing_load(*args, **kwargs):
+        calls.append(lock.exists())
+        raise RuntimeError("simulated: no compiler")
+
+    monkeypatch.setattr(cpp, "load", failing_load)
+    with pytest.warns(RuntimeWarning, match="build lock"), pytest.raises(RuntimeError, match="no compiler"):
+        native.build()
+    assert calls == [False] and "simulated: no compiler" in (tmp_path / native.FAILED).read_text()
+    lock.write_text("")  # a fresh lock: another process is building, left alone
+    with pytest.raises(RuntimeError):
+        native.build()
+    assert lock.exists() and calls == [False, True]
+
+
+def test_a_terminated_build_exits_through_cleanup(tmp_path, monkeypatch):
+    """A TERM during the build (timeout(1) ending a part of scripts/gpu_check.sh) becomes SystemExit, so torch's
+    builder releases its lock on the way out instead of leaving it for the next build to wait on; the process's
+    own TERM handler is back after."""
+    import signal
+    import threading
+
+    import torch.utils.cpp_extension as cpp
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are set in the main thread only")
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(native, "_library", lambda: tmp_path / "missing.so")
+    released = []
+
+    def terminated_load(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            native.time.sleep(1)  # the handler runs here, in this thread
+        finally:
+            released.append(True)  # what torch's builder does in its finally: release the lock
+
+    monkeypatch.setattr(cpp, "load", terminated_load)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        native.build()
+    assert info.value.code == 128 + signal.SIGTERM and released == [True]
+    assert signal.getsignal(signal.SIGTERM) == before and not (tmp_path / native.FAILED).exists()

@@ -20,8 +20,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import signal
 import sys
 import sysconfig
+import threading
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -116,9 +120,18 @@ def set_enabled(flag: bool) -> None:
     reset()
 
 
+#: A build holding torch's build lock longer than this is taken for dead (the build takes ~2 min on 2 cores): a
+#: process killed while building (a timeout's SIGTERM runs no cleanup) leaves the lock file behind, and torch's
+#: builder would wait for it forever.
+STALE_LOCK_S = 900
+#: Where a failed build says why, beside the library it did not make: later imports read it instead of failing
+#: the same build again (a compile error costs a minute each time); ``python -m gradops.native`` retries.
+FAILED = "failed.txt"
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the extension (torch.utils.cpp_extension: needs a C++ compiler and ninja) unless it is built
-    already; returns the library's path. Raises what the build raises."""
+    already; returns the library's path. Raises what the build raises, after noting it in ``FAILED``."""
     library = _library()
     if library.exists():
         return library
@@ -126,11 +139,34 @@ def build(verbose: bool = False) -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    # -O2: the nodes only allocate and call the kernels; no torch/extension.h (the whole C++ API), which triples
-    # the build time for nothing used here.
-    load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
-         extra_ldflags=list(_OPENMP), verbose=verbose)
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            warnings.warn(f"gradops: removed a build lock older than {STALE_LOCK_S} s in {directory} (a build "
+                          "was killed)", RuntimeWarning, stacklevel=2)
+    except FileNotFoundError:
+        pass
+    (directory / FAILED).unlink(missing_ok=True)
+    # A TERM (timeout(1), a job scheduler) ends Python without cleanup and would leave the lock: raised as SystemExit
+    # instead, torch's builder releases it on the way out (main thread only, where handlers can be set).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+    # No torch/extension.h (the whole C++ API), which triples the build time for nothing used here.
+    try:
+        load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
+             extra_ldflags=list(_OPENMP), verbose=verbose)
+    except Exception as err:
+        (directory / FAILED).write_text(f"{type(err).__name__}: {str(err).strip()[:300]}\n")
+        raise
+    finally:
+        if main:  # None: a handler set outside Python, i.e. the default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return library
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 _loaded: ModuleType | None = None
@@ -147,8 +183,15 @@ def ensure_built() -> str | None:
     global _failure
     if _loaded is not None or _failure is not None or _library().exists():
         return _failure
-    import time
-
+    try:
+        earlier = (build_dir() / FAILED).read_text().strip()
+    except OSError:
+        earlier = None
+    if earlier is not None:  # failed before for these sources, torch and CPU: said, not tried again here
+        _failure = f"the native CPU kernels could not be built ({earlier}; {build_dir() / FAILED})"
+        print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {FIX}",
+              file=sys.stderr)
+        return _failure
     start = time.perf_counter()
     print(f"gradops: building the native CPU kernels into {build_dir()} (once per torch version, ~1-2 min)",
           file=sys.stderr, flush=True)
@@ -189,7 +232,6 @@ def _rebuild(err: Exception) -> str | None:
     """A library that does not load (a damaged cache entry): removed, rebuilt and loaded, with one warning."""
     global _loaded, _failure
     import shutil
-    import warnings
 
     warnings.warn(f"gradops: the native library in {build_dir()} does not load ({type(err).__name__}: {err}); "
                   "rebuilding it", RuntimeWarning, stacklevel=3)
@@ -266,12 +308,6 @@ def function(name: str) -> Callable | None:
     would be None."""
     ext = module()
     return None if ext is None else getattr(ext, name)
-
-
-def forget_plans() -> None:
-    """Drop the plans the extension remembers (see ``remember`` in autograd.cpp); with gradops' own plans."""
-    if _loaded is not None:
-        _loaded.forget()
 
 
 def status() -> str:

@@ -1,7 +1,8 @@
-"""``python -m gradops.native``: build the native autograd nodes (once per source / torch / Python) and say where.
+"""``python -m gradops.native``: build gradops' C++ extension, the CPU kernels and native nodes (once per source,
+torch, Python and CPU), and say where; a build that failed before is tried again.
 
-Exit status 0 when built (or built already), 1 when the build failed (no compiler, no ninja): gradops then runs
-its Python path, with the same results. ``--quiet`` prints nothing on success."""
+Exit status 0 when built (or built already), 1 when the build failed (no compiler, no ninja): CPU tensors then
+take the pure-torch reference, with the same results. ``--quiet`` prints nothing on success."""
 
 from __future__ import annotations
 
