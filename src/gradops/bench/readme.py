@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from gradops.registry import BENCH
+
 #: The repository this module sits in (src/gradops/bench/readme.py), where the documents and results are.
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -38,8 +40,8 @@ SIZES = ((8, 8), (64, 128), (512, 256), (2048, 512), (4096, 1024))
 #: The sizes the README's one-line summary of a module shows.
 README_SIZES = ((8, 8), (512, 256), (4096, 1024))
 MODULES = ("RMSNorm", "LayerNorm", "Hardswish", "Embedding")
-FUNCTIONS = ("rms_norm_grad", "layer_norm_grad+beta", "layer_norm_backward", "hardswish_backward",
-             "embedding_dense_backward", "moe_token_permute_grad", "moe_token_unpermute_grad")
+#: The backward functions' rows: the bench cases of gradops.registry, in its order.
+FUNCTIONS = BENCH
 MODELS = {"llama": "Llama", "qwen3_moe": "Qwen3-MoE"}
 
 

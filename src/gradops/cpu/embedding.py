@@ -14,6 +14,7 @@ from torch import Tensor
 from ..contract.embedding import checked_indices, index_error
 from . import _pool
 from ._host import dense, finish, kernel, output
+from .programs import Program, arg
 
 
 def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
@@ -79,3 +80,40 @@ def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices
 
 
 _DIRECT_INDICES = (torch.int64, torch.int32)
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+_EMBEDDING_INDICES = (torch.int32, torch.int64)
+
+
+def _program_embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
+    """The lookup that nothing records: the native kernel ``embedding`` (the range test, then the rows, a copy of
+    storage items: the bits of the Python path's index_select; padding and scaling only shape the backward). None
+    for an empty result: the Python path's."""
+    if not indices.numel() or not weight.shape[1] or indices.dtype not in _EMBEDDING_INDICES:
+        return None
+    p = Program()
+    out = p.output((*indices.shape, weight.shape[1]), weight.dtype)
+    p.kernel("embedding", [arg(0), arg(1)], [out])
+    return p.returns(out)
+
+
+def _program_embedding_dense_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """The backward: the native kernel ``embedding_dense_backward`` (the sort, also the range test, then every row
+    of the table once). None for no index, no column or no row: the Python path's."""
+    n, e = plan
+    if not n or not e or not num_weights or indices.dtype not in _EMBEDDING_INDICES:
+        return None
+    p = Program()
+    out = p.output((num_weights, e), grad.dtype)
+    pad = padding_idx if 0 <= padding_idx < num_weights else -1
+    p.kernel("embedding_dense_backward", [arg(0), arg(1)], [out], [num_weights, pad, int(bool(scale_grad_by_freq))])
+    return p.returns(out)
+
+
+#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+PROGRAMS = {
+    "embedding": _program_embedding,
+    "embedding_dense_backward": _program_embedding_dense_backward,
+}

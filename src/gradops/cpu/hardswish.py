@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import _pool
 from ._host import kernel
+from .programs import Program, arg
 
 
 def _dense(t: Tensor) -> bool:
@@ -77,3 +78,30 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = N
         out.copy_(buf)
         return out
     return buf
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+def _program_hardswish(shape, x):
+    if not x.numel():
+        return None
+    p = Program()
+    y = p.output(x.shape, x.dtype)
+    p.kernel("hardswish", [arg(0)], [y])
+    return p.returns(y)
+
+
+def _program_hardswish_backward(shape, grad_output, x):
+    if not x.numel():
+        return None
+    p = Program()
+    dx = p.output(x.shape, x.dtype)
+    p.kernel("hardswish_backward", [arg(0), arg(1)], [dx])
+    return p.returns(dx)
+
+
+#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+PROGRAMS = {
+    "hardswish": _program_hardswish,
+    "hardswish_backward": _program_hardswish_backward,
+}

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..contract.layer_norm import LayerNormPlan, statistic_error
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
+from .programs import Program, arg
 
 
 def _outs(out, i):
@@ -163,3 +164,59 @@ def layer_norm_backward_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, mean:
                          _pool.empty(gamma.shape, torch.float32))
     _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, plan.rows, plan.cols, None, check_statistics)
     return dx, dgamma, dbeta
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+def _program_layer_norm(plan, x, gamma, beta, epsilon):
+    m, n = plan.rows, plan.cols
+    if not m or not n:
+        return None
+    p = Program()
+    stat = x.shape[:-1]
+    y, mean, var = p.output(x.shape, x.dtype), p.output(stat, torch.float32), p.output(stat, torch.float32)
+    p.kernel("layer_norm", [arg(0), arg(1), arg(2)], [y, mean, var], [m, n], [float(epsilon)])
+    return p.returns(y, mean, var)
+
+
+def _program_layer_norm_grad(plan, dy, x, variance, mean, gamma, epsilon):
+    m, n = plan
+    if not m or not n or variance.dtype != torch.float32 or mean.dtype != torch.float32:
+        return None
+    p = Program()
+    pdx, res = p.output(x.shape, x.dtype), p.output(x.shape, x.dtype)
+    # check = 1: a variance below -epsilon is refused before anything is computed (the call takes the Python path,
+    # which raises the op's OpError).
+    p.kernel("layer_norm_grad", [arg(0), arg(1), arg(2), arg(3), arg(4)], [pdx, res], [m, n, 1], [float(epsilon)])
+    return p.returns(pdx, res)
+
+
+def _program_layer_norm_grad_beta(plan, res_for_gamma, dy):
+    m, n = plan
+    if not m or not n:
+        return None
+    p = Program()
+    pd_gamma, pd_beta = p.output((n,), dy.dtype), p.output((n,), dy.dtype)
+    p.kernel("layer_norm_grad_beta", [arg(0), arg(1), None], [pd_gamma, pd_beta], [m, n])
+    return p.returns(pd_gamma, pd_beta)
+
+
+def _program_layer_norm_backward(plan, dy, x, mean, rstd, gamma):
+    m, n = plan
+    if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+        return None
+    p = Program()
+    dx = p.output(x.shape, x.dtype)
+    dgamma, dbeta = p.output(gamma.shape, torch.float32), p.output(gamma.shape, torch.float32)
+    # check = 1: a negative rstd is refused before anything is computed.
+    p.kernel("layer_norm_backward", [arg(0), arg(1), arg(2), arg(3), arg(4), None], [dx, dgamma, dbeta], [m, n, 1])
+    return p.returns(dx, dgamma, dbeta)
+
+
+#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+PROGRAMS = {
+    "layer_norm": _program_layer_norm,
+    "layer_norm_grad": _program_layer_norm_grad,
+    "layer_norm_grad_beta": _program_layer_norm_grad_beta,
+    "layer_norm_backward": _program_layer_norm_backward,
+}

@@ -22,6 +22,7 @@ from ..contract.moe_permute import (
     sorted_index_error,
 )
 from ._host import dense, finish, kernel, output
+from .programs import Program, arg
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
@@ -147,3 +148,56 @@ def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad
                                     trusted: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
     return moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted)
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+def _program_moe_token_permute(plan, tokens, indices, num_out_tokens, padded_mode):
+    if not indices.numel() or tokens.dim() != 2:
+        return None
+    p = Program()
+    out, inverse = p.output((plan.rows, tokens.shape[1]), tokens.dtype), p.output((indices.numel(),), torch.int32)
+    p.kernel("moe_token_permute", [arg(0), arg(1)], [out, inverse], [plan.topk])
+    return p.returns(out, inverse)
+
+
+def _program_moe_token_permute_grad(plan, grad, sorted_indices, num_topk, padded_mode):
+    tokens, h = sorted_indices.numel() // num_topk, grad.shape[1]
+    if not tokens or not h:
+        return None
+    p = Program()
+    out = p.output((tokens, h), grad.dtype)
+    p.kernel("moe_token_permute_grad", [arg(0), arg(1)], [out], [num_topk])
+    return p.returns(out)
+
+
+def _program_moe_token_unpermute(plan, permuted_tokens, sorted_indices, probs, padded_mode):
+    h = permuted_tokens.shape[1]
+    tokens = sorted_indices.numel() // (1 if probs is None else probs.shape[1])
+    if not tokens or not h:
+        return None
+    p = Program()
+    out = p.output((tokens, h), permuted_tokens.dtype)
+    p.kernel("moe_token_unpermute", [arg(0), arg(1), None if probs is None else arg(2)], [out])
+    return p.returns(out)
+
+
+def _program_moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
+    tokens = grad_unpermuted.shape[0]
+    if not tokens or not permuted_tokens.shape[1]:
+        return None
+    p = Program()
+    dx = p.output(permuted_tokens.shape, permuted_tokens.dtype)
+    # Without probs: no probs gradient, an empty tensor of permuted_tokens' dtype (the Python path's).
+    dp = p.output((0,), permuted_tokens.dtype) if probs is None else p.output(probs.shape, probs.dtype)
+    p.kernel("moe_token_unpermute_grad", [arg(0), arg(1), arg(2), None if probs is None else arg(3)], [dx, dp], [1])
+    return p.returns(dx, dp)
+
+
+#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+PROGRAMS = {
+    "moe_token_permute": _program_moe_token_permute,
+    "moe_token_permute_grad": _program_moe_token_permute_grad,
+    "moe_token_unpermute": _program_moe_token_unpermute,
+    "moe_token_unpermute_grad": _program_moe_token_unpermute_grad,
+}

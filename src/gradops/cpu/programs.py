@@ -1,12 +1,12 @@
 """The public functions' eager calls as programs the native extension replays (``direct.cpp``).
 
-After gradops' call plan validated a call and chose the CPU kernels, the op's builder (:data:`BUILDERS`, filled from
-:mod:`~gradops.cpu.program_norms` and :mod:`~gradops.cpu.program_index` by :mod:`gradops.cpu`) describes what the
-Python path would do for the arguments' metadata: the outputs it allocates and the registered kernel it runs on them
-(native/kernels.h), with the call's integers and floats. A later call with the same metadata is one C++ call: the key,
-the allocations, the kernel. The kernel is the one the Python path runs, so the results are its bits
-(tests/test_direct_native.py). A kernel that finds a value the op refuses (an index outside the table, a negative
-variance) returns its position, and the call goes back to the Python path, which raises the op's OpError.
+After gradops' call plan validated a call and chose the CPU kernels, the op's builder (:data:`BUILDERS`: each family
+module's ``PROGRAMS``, beside its host entries, registered by :mod:`gradops.cpu`) describes what the Python path would
+do for the arguments' metadata: the outputs it allocates and the registered kernel it runs on them (native/kernels.h),
+with the call's integers and floats. A later call with the same metadata is one C++ call: the key, the allocations,
+the kernel. The kernel is the one the Python path runs, so the results are its bits (tests/test_direct_native.py). A
+kernel that finds a value the op refuses (an index outside the table, a negative variance) returns its position, and
+the call goes back to the Python path, which raises the op's OpError.
 
 No program (None) where the Python path does something a program does not: statistics in a dtype the Python path
 first converts to float32, indices of a dtype it converts. Those calls keep the Python path.
@@ -62,7 +62,7 @@ def arg(i: int) -> tuple[int, int]:
     return INPUT, i
 
 
-#: op -> its builder ``(plan, *args) -> Program | None``; filled by gradops.cpu from the family modules.
+#: op -> its builder ``(plan, *args) -> Program | None``; filled by gradops.cpu from the family modules' PROGRAMS.
 BUILDERS: dict[str, Callable[..., Program | None]] = {}
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..contract.rms_norm import RmsNormPlan
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
+from .programs import Program, arg
 
 
 def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Tensor, m: int, n: int) -> None:
@@ -90,3 +91,32 @@ def rms_norm_grad_shaped(plan: RmsNormPlan, dy: Tensor, x: Tensor, rstd: Tensor,
     dx, dgamma = _pool.empty_like(dy), _pool.empty(gamma.shape, torch.float32)
     _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, plan.rows, plan.cols, None)
     return dx, dgamma
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+def _program_rms_norm(plan, x, gamma, epsilon):
+    m, n = plan.rows, plan.cols
+    if not m or not n:
+        return None
+    p = Program()
+    y, rstd = p.output(x.shape, x.dtype), p.output(plan.rstd_shape, torch.float32)
+    p.kernel("rms_norm", [arg(0), arg(1)], [y, rstd], [m, n], [float(epsilon)])
+    return p.returns(y, rstd)
+
+
+def _program_rms_norm_grad(plan, dy, x, rstd, gamma):
+    m, n = plan.rows, plan.cols
+    if not m or not n or rstd.dtype != torch.float32:
+        return None
+    p = Program()
+    dx, dgamma = p.output(dy.shape, dy.dtype), p.output(gamma.shape, torch.float32)
+    p.kernel("rms_norm_grad", [arg(0), arg(1), arg(2), arg(3)], [dx, dgamma], [m, n])
+    return p.returns(dx, dgamma)
+
+
+#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+PROGRAMS = {
+    "rms_norm": _program_rms_norm,
+    "rms_norm_grad": _program_rms_norm_grad,
+}
