@@ -545,21 +545,21 @@ bool recordable_handles(const Handles& args) {
 
 bool recordable(py::args args) { return recordable_handles(args); }
 
-// ---- remembered plans: the Python call plan's answer for the native node, per argument metadata
+// ---- known calls: the argument metadata the Python call plan sent to the native node
 //
 // After gradops.ops validated a call and found a native node for it (the call plan), it says so here with the
 // arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
 // small training step on 2 cores). The key is what the plan depends on: each tensor's dtype and
 // sizes (all contiguous CPU tensors, checked per call), the scalar, and the two environment variables the
-// backend decision reads. gradops forgets them with its own plans (gradops.ops._plan.forget_all: a fork, the
+// backend decision reads. gradops forgets them with its own caches (gradops._runtime.invalidate: a fork, the
 // native switch), and a child of fork() never uses them.
-struct Plan {
+struct KnownCall {
   std::vector<int64_t> key;
   double scalar;
   std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered ("\x01": unset)
 };
-std::vector<Plan> plans[kOps];
-constexpr size_t kPlanLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
+std::vector<KnownCall> known_calls[kOps];
+constexpr size_t kKnownLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
 
 // Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor, or hollow:
 // its storage freed or shrunk, see gradops::hollow; the Python plan then refuses it).
@@ -571,12 +571,12 @@ bool add_key(std::vector<int64_t>& key, const Tensor& t) {
   return true;
 }
 
-const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
+const KnownCall* find_known(Op op, const std::vector<int64_t>& key, double scalar) {
   const char* backend = env_or_unset("GRADOPS_BACKEND");
   const char* interpret = env_or_unset("TRITON_INTERPRET");
-  for (const Plan& plan : plans[op]) {
-    if (plan.key == key && plan.scalar == scalar && plan.backend == backend && plan.interpret == interpret) {
-      return &plan;
+  for (const KnownCall& known : known_calls[op]) {
+    if (known.key == key && known.scalar == scalar && known.backend == backend && known.interpret == interpret) {
+      return &known;
     }
   }
   return nullptr;
@@ -585,18 +585,18 @@ const Plan* find_plan(Op op, const std::vector<int64_t>& key, double scalar) {
 // ``ints``: the op's integer arguments (the embedding's padding row and scaling), part of the key after the tensors.
 void remember(int64_t op, std::vector<Tensor> tensors, double scalar, std::vector<int64_t> ints) {
   TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
-  Plan plan{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET")};
+  KnownCall known{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET")};
   for (const Tensor& t : tensors) {
-    if (!add_key(plan.key, t)) return;
+    if (!add_key(known.key, t)) return;
   }
-  plan.key.insert(plan.key.end(), ints.begin(), ints.end());
-  if (find_plan(static_cast<Op>(op), plan.key, scalar) != nullptr) return;
-  if (plans[op].size() >= kPlanLimit) plans[op].clear();
-  plans[op].push_back(std::move(plan));
+  known.key.insert(known.key.end(), ints.begin(), ints.end());
+  if (find_known(static_cast<Op>(op), known.key, scalar) != nullptr) return;
+  if (known_calls[op].size() >= kKnownLimit) known_calls[op].clear();
+  known_calls[op].push_back(std::move(known));
 }
 
 void forget() {
-  for (auto& list : plans) list.clear();
+  for (auto& list : known_calls) list.clear();
   gradops::forget_direct();
 }
 
@@ -619,14 +619,14 @@ bool all_tensors(const std::array<py::handle, N>& args) {
   return true;
 }
 
-// The recorded call on the node from a remembered plan, or None (then gradops' Python path decides).
+// The recorded call on the node for a known call's metadata, or None (then gradops' Python path decides).
 py::object hardswish_planned(py::handle x) {
   const std::array<py::handle, 1> args{x};
   if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
   const Tensor& t = THPVariable_Unpack(x.ptr());
   std::vector<int64_t>& key = key_buffer();
-  const Plan* plan = add_key(key, t) ? find_plan(kHardswish, key, 0.0) : nullptr;
-  if (plan == nullptr) return py::none();
+  const KnownCall* known = add_key(key, t) ? find_known(kHardswish, key, 0.0) : nullptr;
+  if (known == nullptr) return py::none();
   return py::cast(gradops_native::hardswish_node(t));
 }
 
@@ -637,9 +637,9 @@ py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, d
   const Tensor& tg = THPVariable_Unpack(gamma.ptr());
   const Tensor& tb = THPVariable_Unpack(beta.ptr());
   std::vector<int64_t>& key = key_buffer();
-  const Plan* plan =
-      add_key(key, tx) && add_key(key, tg) && add_key(key, tb) ? find_plan(kLayerNorm, key, eps) : nullptr;
-  if (plan == nullptr) return py::none();
+  const KnownCall* known =
+      add_key(key, tx) && add_key(key, tg) && add_key(key, tb) ? find_known(kLayerNorm, key, eps) : nullptr;
+  if (known == nullptr) return py::none();
   return py::cast(gradops_native::layer_norm_node(tx, tg, tb, eps));
 }
 
@@ -652,8 +652,8 @@ py::object embedding_planned(py::handle weight, py::handle indices, int64_t padd
   if (!add_key(key, tw) || !add_key(key, ti)) return py::none();
   key.push_back(padding);
   key.push_back(scale);
-  const Plan* plan = find_plan(kEmbedding, key, 0.0);
-  if (plan == nullptr) return py::none();
+  const KnownCall* known = find_known(kEmbedding, key, 0.0);
+  if (known == nullptr) return py::none();
   Tensor y = gradops_native::embedding_node(tw, ti, padding, scale);
   return y.defined() ? py::cast(y) : py::none();
 }
@@ -710,11 +710,11 @@ PyObject* hollow_fast(PyObject*, PyObject* arg) {
 PyMethodDef planned_functions[] = {
     {"hollow", hollow_fast, METH_O, "whether a plain tensor's storage does not hold its elements (freed, shrunk)"},
     {"hardswish_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hardswish_planned_fast)),
-     METH_FASTCALL, "the recorded Hardswish on a remembered plan, or None"},
+     METH_FASTCALL, "the recorded Hardswish on a known call's metadata, or None"},
     {"layer_norm_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm_planned_fast)),
-     METH_FASTCALL, "the recorded LayerNorm y on a remembered plan, or None"},
+     METH_FASTCALL, "the recorded LayerNorm y on a known call's metadata, or None"},
     {"embedding_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(embedding_planned_fast)),
-     METH_FASTCALL, "the recorded embedding lookup on a remembered plan, or None"},
+     METH_FASTCALL, "the recorded embedding lookup on a known call's metadata, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 void set_plain_types(py::handle tensor, py::handle parameter) {
@@ -792,7 +792,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_clear", &pool_clear, "free the pool's free blocks; their bytes");
   m.def("pool_free_bytes", &pool_free_bytes, "bytes in the pool's free blocks");
   m.def("remember", &remember, "the native node for calls with these tensors' metadata, scalar and ints");
-  m.def("forget", &forget, "drop every remembered plan");
+  m.def("forget", &forget, "drop every known call and direct program");
   if (PyModule_AddFunctions(m.ptr(), planned_functions) != 0) throw py::error_already_set();
   gradops::register_direct(m);
   gradops::register_kernels(m);

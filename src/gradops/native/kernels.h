@@ -14,8 +14,9 @@
 //  - ``a.ints`` / ``a.floats``: the rest of the call (rows, columns, scalars), in the order the family's file
 //    documents for the kernel.
 //  - returns -1, or the position of the first value the op refuses (an index outside a table, a repeated index,
-//    a negative variance where the op refuses one): the caller then takes the Python path, which raises the op's
-//    OpError naming the argument. A kernel never addresses memory through a value it has not range-checked.
+//    a negative variance where the op refuses one), found before the kernel writes any output (an out= call that
+//    is refused leaves the caller's tensors as they were): the caller then takes the Python path, which raises the
+//    op's OpError naming the argument. A kernel never addresses memory through a value it has not range-checked.
 //
 // Determinism: a kernel's result bits depend on the shape only, never on the thread count or the split. Row
 // reductions accumulate in float32 in a fixed order; cross-row reductions (dgamma, dbeta) use row_blocks(rows, cols)
