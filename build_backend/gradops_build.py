@@ -36,7 +36,8 @@ def _build_native() -> None:
         "os.environ['GRADOPS_BACKEND'] = 'torch'  # no build inside the import: the one below, with its lines",
         "sys.path.insert(0, sys.argv[1])",
         "from gradops import native",
-        "native.ensure_built()  # a failure is said; the first import of gradops tries again",
+        "(native.build_dir() / native.FAILED).unlink(missing_ok=True)  # an install tries again",
+        "native.ensure_built()  # a failure is said and noted beside the library",
     ])
     try:
         subprocess.run([sys.executable, "-c", code, str(_ROOT / "src")], env=env, check=False, timeout=1800)
