@@ -58,6 +58,7 @@ from .rms_norm import (  # noqa: E402
 
 for _family in (_embedding, _hardswish, _layer_norm, _moe_permute, _rms_norm):
     programs.BUILDERS.update(_family.PROGRAMS)
+del _family
 
 __all__ = [
     "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",

@@ -83,15 +83,15 @@ _DIRECT_INDICES = (torch.int64, torch.int32)
 
 # ---------------------------------------------------------------- the direct calls' programs
 # Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-_EMBEDDING_INDICES = (torch.int32, torch.int64)
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not (indices of
+# another dtype than _DIRECT_INDICES: it converts them first).
 
 
 def _program_embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
     """The lookup that nothing records: the native kernel ``embedding`` (the range test, then the rows, a copy of
     storage items: the bits of the Python path's index_select; padding and scaling only shape the backward). None
     for an empty result: the Python path's."""
-    if not indices.numel() or not weight.shape[1] or indices.dtype not in _EMBEDDING_INDICES:
+    if not indices.numel() or not weight.shape[1] or indices.dtype not in _DIRECT_INDICES:
         return None
     p = Program()
     out = p.output((*indices.shape, weight.shape[1]), weight.dtype)
@@ -103,7 +103,7 @@ def _program_embedding_dense_backward(plan, grad, indices, num_weights, padding_
     """The backward: the native kernel ``embedding_dense_backward`` (the sort, also the range test, then every row
     of the table once). None for no index, no column or no row: the Python path's."""
     n, e = plan
-    if not n or not e or not num_weights or indices.dtype not in _EMBEDDING_INDICES:
+    if not n or not e or not num_weights or indices.dtype not in _DIRECT_INDICES:
         return None
     p = Program()
     out = p.output((num_weights, e), grad.dtype)
