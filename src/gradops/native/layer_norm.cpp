@@ -351,20 +351,11 @@ int64_t layer_norm_kernel(const KernelArgs& a) {
 
 // ================================================================ LayerNormGrad (AscendC)
 
-// pd_x and res_for_gamma of one row of n > 0 elements (outputs apart from the inputs, as forward_row's).
-template <class T>
-void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ gamma, float mu, float s,
-              int64_t n, T* __restrict__ pdx, T* __restrict__ res) {
-  const float inv_n = 1.0f / static_cast<float>(n);
+// step(x0, x1, dy0, dy1, g0, g1, m0, m1) over one row's kLanes-column tiles of x, dy and gamma, the last one
+// partial (masks m0, m1 mark its columns): the walk both backward row sums take.
+template <class T, class Step>
+inline void over_tiles(const T* x, const T* dy, const float* gamma, int64_t n, const Step& step) {
   const int64_t full = n - n % kLanes;
-  Lanes s1, s2, s3;  // sum(-0.5·pd_xl·xmu), sum(-pd_xl), sum(-2·xmu)
-  auto step = [&](F8 x0, F8 x1, F8 dy0, F8 dy1, F8 g0, F8 g1, U8 m0, U8 m1) {
-    const F8 xmu0 = x0 - mu, xmu1 = x1 - mu;
-    const F8 p0 = dy0 * g0, p1 = dy1 * g1;
-    s1.add(Tail::keep(-0.5f * p0 * xmu0, m0), Tail::keep(-0.5f * p1 * xmu1, m1));
-    s2.add(Tail::keep(-p0, m0), Tail::keep(-p1, m1));
-    s3.add(Tail::keep(-2.0f * xmu0, m0), Tail::keep(-2.0f * xmu1, m1));
-  };
   const U8 all = ~U8{};
   for (int64_t j = 0; j < full; j += kLanes) {
     step(load8(x + j), load8(x + j + 8), load8(dy + j), load8(dy + j + 8), load8(gamma + j), load8(gamma + j + 8),
@@ -378,6 +369,22 @@ void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     Tail::load(gamma + full, n - full, g0, g1);
     step(x0, x1, dy0, dy1, g0, g1, t.mlo, t.mhi);
   }
+}
+
+// pd_x and res_for_gamma of one row of n > 0 elements (outputs apart from the inputs, as forward_row's).
+template <class T>
+void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ gamma, float mu, float s,
+              int64_t n, T* __restrict__ pdx, T* __restrict__ res) {
+  const float inv_n = 1.0f / static_cast<float>(n);
+  Lanes s1, s2, s3;  // sum(-0.5·pd_xl·xmu), sum(-pd_xl), sum(-2·xmu)
+  auto step = [&](F8 x0, F8 x1, F8 dy0, F8 dy1, F8 g0, F8 g1, U8 m0, U8 m1) {
+    const F8 xmu0 = x0 - mu, xmu1 = x1 - mu;
+    const F8 p0 = dy0 * g0, p1 = dy1 * g1;
+    s1.add(Tail::keep(-0.5f * p0 * xmu0, m0), Tail::keep(-0.5f * p1 * xmu1, m1));
+    s2.add(Tail::keep(-p0, m0), Tail::keep(-p1, m1));
+    s3.add(Tail::keep(-2.0f * xmu0, m0), Tail::keep(-2.0f * xmu1, m1));
+  };
+  over_tiles(x, dy, gamma, n, step);
   const float pd_var = s1.sum() * s * s * s;
   const float pd_mean = s2.sum() * s + pd_var * s3.sum() * inv_n;
   const float a = pd_var * 2.0f * inv_n;
@@ -549,26 +556,13 @@ int64_t layer_norm_grad_beta_kernel(const KernelArgs& a) {
 template <class T>
 void backward_row(const T* dy, const T* x, const float* gamma, float mu, float s, float inv_n, int64_t n, T* dx,
                   float* ag, float* ab) {
-  const int64_t full = n - n % kLanes;
   Lanes s1, s2;  // sum(pd_xl·xmu), sum(pd_xl)
   auto step = [&](F8 x0, F8 x1, F8 dy0, F8 dy1, F8 g0, F8 g1, U8 m0, U8 m1) {
     const F8 p0 = dy0 * g0, p1 = dy1 * g1;
     s1.add(Tail::keep(p0 * (x0 - mu), m0), Tail::keep(p1 * (x1 - mu), m1));
     s2.add(Tail::keep(p0, m0), Tail::keep(p1, m1));
   };
-  const U8 all = ~U8{};
-  for (int64_t j = 0; j < full; j += kLanes) {
-    step(load8(x + j), load8(x + j + 8), load8(dy + j), load8(dy + j + 8), load8(gamma + j), load8(gamma + j + 8),
-         all, all);
-  }
-  if (full < n) {
-    const Tail t(n - full);
-    F8 x0, x1, dy0, dy1, g0, g1;
-    Tail::load(x + full, n - full, x0, x1);
-    Tail::load(dy + full, n - full, dy0, dy1);
-    Tail::load(gamma + full, n - full, g0, g1);
-    step(x0, x1, dy0, dy1, g0, g1, t.mlo, t.mhi);
-  }
+  over_tiles(x, dy, gamma, n, step);
   const float a = -s1.sum() * s * s * s * inv_n;
   const float c = -s2.sum() * s * inv_n;
   int64_t j = 0;
