@@ -63,13 +63,13 @@ def digest(t: torch.Tensor) -> str:
 def results() -> dict[str, list[str]]:
     import gradops
     import gradops.nn as gnn
-    from gradops.check import _cases
-    from gradops.registry import NAMES
+    from gradops.registry import OPS
 
     out: dict[str, list[str]] = {}
-    for i, op in enumerate(NAMES):
+    for i, spec in enumerate(OPS):  # each op's declared example (gradops check's call)
+        op = spec.name
         for dtype in (torch.float32, torch.bfloat16):
-            case = _cases(op, dtype, torch.device("cpu"), 8, 64, torch.Generator().manual_seed(100 + i))
+            case = spec.example(8, 64, dtype, torch.device("cpu"), torch.Generator().manual_seed(100 + i))
             got = getattr(gradops, op)(*case.args)
             out[f"{op} {dtype}"] = [digest(t) for t in (got if isinstance(got, tuple) else (got,))]
     # a recorded training step through every gradops.nn module (the autograd paths: Function, native node, op)

@@ -18,18 +18,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import backend, reference
 from .cli_support import (
@@ -43,107 +42,13 @@ from .cli_support import (
     short_dtype,
 )
 from .env import devices
-from .registry import NAMES
+from .registry import NAMES, spec
 
 F32, F64 = torch.float32, torch.float64
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: ``--dtype``'s short names (what the table prints, as ``gradops bench`` does) -> the dtype.
 SHORT_DTYPES = {short_dtype(dt): dt for dt in DTYPES.values()}
 U32 = torch.finfo(F32).eps / 2
-
-
-@dataclass
-class Case:
-    args: tuple                 # arguments of the public function gradops.<op>
-    ref_args: tuple             # arguments of gradops.reference.<op> (defaults to args)
-    lengths: tuple[int, ...]    # reduction length behind each output (for the tolerance)
-    peer: Callable | None       # PyTorch's own implementation, same inputs, same outputs
-    peer_mask: torch.Tensor | None = None  # elements where PyTorch's definition is the same as CANN's
-
-
-def _rstd(x, eps=1e-6):
-    return torch.rsqrt(x.float().square().mean(-1) + eps)
-
-
-def _autograd(fn, inputs, grad):
-    leaves = [t.detach().requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    return torch.autograd.grad(out, leaves, grad)
-
-
-def _cases(op: str, dtype: torch.dtype, device: torch.device, m: int, n: int, gen: torch.Generator) -> Case:
-    def rnd(*shape, scale=1.0, dt=dtype):
-        return (torch.randn(shape, generator=gen) * scale).to(dt).to(device)
-
-    if op == "rms_norm":
-        x, g = rnd(m, n), rnd(n)
-        return Case((x, g, 1e-6), (x, g, 1e-6), (n, n),
-                    lambda x, g, e: (F.rms_norm(x, (n,), g, e), _rstd(x, e)))
-    if op == "rms_norm_grad":
-        dy, x, g = rnd(m, n), rnd(m, n), rnd(n)
-        r = _rstd(x)
-        return Case((dy, x, r, g), (dy, x, r, g), (n, m),
-                    lambda dy, x, r, g: _autograd(lambda x, g: F.rms_norm(x, (n,), g, 1e-6), (x, g), dy))
-    if op in ("layer_norm", "layer_norm_grad", "layer_norm_backward", "layer_norm_grad_beta"):
-        x, g, b, dy = rnd(m, n, scale=2.0), rnd(n), rnd(n), rnd(m, n)
-        xf = x.float()
-        mean, var = xf.mean(-1), (xf - xf.mean(-1, keepdim=True)).square().mean(-1)
-
-        def ln_grads(*_):
-            return _autograd(lambda x, g, b: F.layer_norm(x, (n,), g, b, 1e-5), (x, g, b), dy)
-        if op == "layer_norm":
-            return Case((x, g, b, 1e-5), (x, g, b, 1e-5), (n, n, n),
-                        lambda x, g, b, e: (F.layer_norm(x, (n,), g, b, e), xf.mean(-1), var))
-        if op == "layer_norm_grad":
-            res = ((xf - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5)).to(dtype)
-            return Case((dy, x, var, mean, g, 1e-5), (dy, x, var, mean, g, 1e-5), (n, 1),
-                        lambda *a: (ln_grads()[0], res))
-        if op == "layer_norm_backward":
-            rstd = torch.rsqrt(var + 1e-5)
-            return Case((dy, x, mean, rstd, g), (dy, x, mean, rstd, g), (n, m, m), ln_grads)
-        res = ((xf - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5)).to(dtype)
-        return Case((res, dy), (res, dy), (m, m), lambda res, dy: ((dy * res).sum(0), dy.sum(0)))
-    if op in ("hardswish", "hardswish_backward"):
-        x = (torch.rand(m, n, generator=gen) * 12 - 6).to(dtype).to(device)
-        if op == "hardswish":
-            return Case((x,), (x,), (1,), lambda x: (F.hardswish(x),))
-        g = rnd(m, n)
-        # PyTorch >= 2.8 uses the open interval at +-3 (CANN: closed): compare it off those two points only.
-        return Case((g, x), (g, x), (1,), lambda g, x: (torch.ops.aten.hardswish_backward(g, x),),
-                    peer_mask=x.abs() != 3)
-    if op == "embedding_dense_backward":
-        vocab = 4 * m
-        grad, idx = rnd(8 * m, n), torch.randint(0, vocab, (8 * m,), generator=gen).to(device)
-        return Case((grad, idx, vocab, 3, True), (grad, idx, vocab, 3, True), (8 * m,),
-                    lambda grad, idx, v, p, s: (torch.ops.aten.embedding_dense_backward(grad, idx, v, p, s),))
-    k = 4
-    if op == "moe_token_permute":
-        tokens, experts = rnd(m, n), torch.randint(0, 8, (m, k), generator=gen).to(device)
-        rows = m * k - 3
-        return Case((tokens, experts, rows), (tokens, experts, rows), (1, 0),
-                    lambda t, e, r: (t[torch.argsort(e.flatten(), stable=True)[:r] // k],
-                                     torch.argsort(torch.argsort(e.flatten(), stable=True)).int()))
-    if op in ("moe_token_unpermute", "moe_token_unpermute_grad"):
-        rows = m * k - 3  # three (token, k) copies dropped by the forward's capacity
-        permuted, probs = rnd(rows, n), torch.rand(m, k, generator=gen).to(dtype).to(device)
-        perm = torch.randperm(m * k, generator=gen).int().to(device)
-
-        def unpermute(permuted, perm, probs):  # Megatron's unfused path: gather rows, weight, sum over k
-            padded = torch.cat([permuted, permuted.new_zeros(1, n)])
-            rows_of = torch.where(perm.long() < rows, perm.long(), rows)
-            return (padded[rows_of].view(m, k, n).float() * probs.float()[:, :, None]).sum(1).to(permuted.dtype)
-        if op == "moe_token_unpermute":
-            return Case((permuted, perm, probs), (permuted, perm, probs), (k,), lambda *a: (unpermute(*a),))
-        dy = rnd(m, n)
-        return Case((permuted, dy, perm, probs), (permuted, dy, perm, probs), (1, n),
-                    lambda p, dy, s, pr: _autograd(lambda p, pr: unpermute(p, s, pr), (p, pr), dy))
-    grad, perm = rnd(m * k, n), torch.randperm(m * k, generator=gen).int().to(device)
-
-    def index_add(grad, perm, k):  # Megatron's unfused backward: scatter-add rows to their tokens
-        token_of_row = torch.empty_like(perm, dtype=torch.long)
-        token_of_row[perm.long()] = torch.arange(perm.numel(), device=perm.device) // k
-        return (torch.zeros(m, n, dtype=grad.dtype, device=grad.device).index_add_(0, token_of_row, grad),)
-    return Case((grad, perm, k), (grad, perm, k), (k,), index_add)
 
 
 OPS = NAMES  # every operator of gradops.registry
@@ -195,21 +100,24 @@ class Row:
 def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: int, n: int, seed: int) -> Row:
     import gradops
 
-    case = _cases(op, dtype, device, m, n, torch.Generator().manual_seed(seed))
+    case = spec(op).example(m, n, dtype, device, torch.Generator().manual_seed(seed))
     with _backend(name):
         used = backend.choose(op, device).name  # what the op's call plan runs (ops/_plan.py)
         out = getattr(gradops, op)(*case.args)
     out = out if isinstance(out, tuple) else (out,)
-    ref = getattr(reference, op)(*map(_f64, case.ref_args), **({} if op == "moe_token_permute" else {"compute": F64}))
+    oracle = getattr(reference, op)
+    # in float64 where the reference computes (a permutation only moves values: it has no compute dtype)
+    wide = {"compute": F64} if "compute" in inspect.signature(oracle).parameters else {}
+    ref = oracle(*map(_f64, case.args), **wide)
     ref = ref if isinstance(ref, tuple) else (ref,)
     error = max(_rel_error(o, r) for o, r in zip(out, ref))
     bound = max(torch.finfo(o.dtype).eps + 8 * math.sqrt(max(k, 1)) * U32 if o.is_floating_point() else 0.0
                 for o, k in zip(out, case.lengths))
     torch_error = None
-    if case.peer is not None:
+    if case.twin is not None:
         try:
-            peer = case.peer(*case.args)
-            torch_error = max(_rel_error(o, r, case.peer_mask) for o, r in zip(peer, ref))
+            peer = case.twin(*case.args)
+            torch_error = max(_rel_error(o, r, case.twin_mask) for o, r in zip(peer, ref))
         except (RuntimeError, TypeError, NotImplementedError):
             torch_error = None  # PyTorch lacks this dtype combination on this device
     ok = error <= bound or (torch_error is not None and error <= torch_error)

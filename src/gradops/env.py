@@ -10,7 +10,7 @@ import platform
 import torch
 
 from . import backend
-from .registry import NAMES
+from .registry import NAMES, SPECS
 
 OPS = NAMES  # every operator of gradops.registry
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         why = native.kernels_failure() or "not built"
     kernels = "built" if why is None else f"unavailable, CPU tensors use the reference ({why}; to fix: {native.FIX})"
     print(f"CPU kernels (C++, {native.build_dir()}): {kernels}")
-    nodes = ", ".join(sorted(native._OPS))
+    nodes = ", ".join(sorted(spec.name for spec in SPECS if spec.node))
     print(f"native path (autograd nodes: {nodes}; direct calls of the public functions): {native.status()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"

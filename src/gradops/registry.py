@@ -1,43 +1,48 @@
-"""The operators: one list that the command line (``check``, ``env``, ``bench``), the tests and the backends'
-coverage read.
+"""The operators: one list, collected from the families' declarations (:mod:`gradops.specs`), that the command line
+(``check``, ``golden``, ``env``, ``bench``), the measurements, the sharding rules, the CANN surfaces' argument
+names, the tests and the backends' coverage read.
 
-Each entry is an operator every backend implements under the same name (``gradops.reference``, ``gradops.cpu``,
-``gradops.launch``; a backend that lacks one leaves it to the reference, see :mod:`gradops.backend`) and that the
-package exports as a public function of that name. ``gradops.embedding`` (the lookup, a gather with its
-backward attached) is not here: no backend implements it.
+Each entry of :data:`OPS` is an operator every backend implements under the same name (``gradops.reference``,
+``gradops.cpu``, ``gradops.launch``; a backend that lacks one leaves it to the reference, see
+:mod:`gradops.backend`) and that the package exports as a public function of that name. :data:`SPECS` adds the
+ops no backend implements (``gradops.embedding``, the lookup: a gather with its backward attached).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import importlib
 
+from . import specs
+from .spec import OpSpec
 
-class Op(NamedTuple):
-    name: str  # the public function and every backend's function
-    cann: str  # what CANN calls it
-    backward: bool  # a backward operator (the forwards produce their inputs)
-    bench: str | None = None  # the ``gradops bench`` case that times it (backward operators; see gradops.bench)
+#: Every declared op: each family module that :mod:`gradops.specs` lists declares its ``SPECS``, in that order
+#: (tests/test_op_spec.py: every module there is listed).
+SPECS: tuple[OpSpec, ...] = tuple(op for family in specs.__all__
+                                  for op in importlib.import_module(f"{specs.__name__}.{family}").SPECS)
 
+#: The ops the backends implement.
+OPS: tuple[OpSpec, ...] = tuple(spec for spec in SPECS if spec.kernels)
 
-OPS: tuple[Op, ...] = (
-    Op("rms_norm", "aclnnRmsNorm", False),
-    Op("rms_norm_grad", "aclnnRmsNormGrad", True, "rms_norm_grad"),
-    Op("layer_norm", "AscendC LayerNorm", False),
-    # CANN's pair runs as one case: LayerNormGradBeta consumes LayerNormGrad's resForGamma
-    Op("layer_norm_grad", "AscendC LayerNormGrad", True, "layer_norm_grad+beta"),
-    Op("layer_norm_grad_beta", "AscendC LayerNormGradBeta", True, "layer_norm_grad+beta"),
-    Op("layer_norm_backward", "aclnnLayerNormBackward", True, "layer_norm_backward"),
-    Op("hardswish", "aclnnHardswish", False),
-    Op("hardswish_backward", "aclnnHardswishBackward", True, "hardswish_backward"),
-    Op("embedding_dense_backward", "aclnnEmbeddingDenseBackward", True, "embedding_dense_backward"),
-    Op("moe_token_permute", "aclnnMoeTokenPermute", False),
-    Op("moe_token_permute_grad", "aclnnMoeTokenPermuteGrad", True, "moe_token_permute_grad"),
-    Op("moe_token_unpermute", "aclnnMoeTokenUnpermute", False),
-    Op("moe_token_unpermute_grad", "aclnnMoeTokenUnpermuteGrad", True, "moe_token_unpermute_grad"),
-)
-
-#: The names, in the order above.
+#: Their names, in the order above.
 NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 
 #: The ``gradops bench`` cases, in the order above: every backward operator is timed by one of them.
 BENCH: tuple[str, ...] = tuple(dict.fromkeys(op.bench for op in OPS if op.bench))
+
+#: The first backward op: the one whose backend decision a run's provenance records (every op decides alike).
+PROBE: str = next(op.name for op in OPS if op.backward)
+
+#: Each declaration by its op's name.
+BY_NAME: dict[str, OpSpec] = {spec.name: spec for spec in SPECS}
+
+
+def spec(name: str) -> OpSpec:
+    """The declaration of op ``name``; KeyError for a name no family declares."""
+    return BY_NAME[name]
+
+
+def timing(case: str):
+    """The :class:`gradops.spec.Bench` of ``gradops bench`` case ``case`` and the op it belongs to (the first op
+    declaring it)."""
+    op = next(op for op in OPS if op.bench == case)
+    return op.timing, op

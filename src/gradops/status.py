@@ -7,6 +7,8 @@ API returns for the same mistake (``docs/zh/context/aclnn_return_code.md`` in hi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 ACLNN_SUCCESS = 0
 ACLNN_ERR_PARAM_NULLPTR = 161001
 ACLNN_ERR_PARAM_INVALID = 161002
@@ -54,11 +56,12 @@ class OpError(ValueError):
         name = STATUS_NAMES.get(status, "UNKNOWN")
         super().__init__(f"{op}: {arg} must be {expected}, got {given} [{name} {status}]")
 
-    def renamed(self, names: dict[str, str], op: str | None = None) -> OpError:
-        """This error as another surface spells it: the argument's leading name through ``names`` (``grad_output.dtype``
-        -> ``gradOutput.dtype``), and ``op`` if given; itself when nothing changes or it is a subclass."""
+    def renamed(self, names: dict[str, str] | Callable[[str], str], op: str | None = None) -> OpError:
+        """This error as another surface spells it: the argument's leading name through ``names`` (a mapping, or a
+        function of the name: ``grad_output.dtype`` -> ``gradOutput.dtype``), and ``op`` if given; itself when
+        nothing changes or it is a subclass."""
         head = self.arg.split(".", 1)[0].split("[", 1)[0]
-        new = names.get(head, head)
+        new = names(head) if callable(names) else names.get(head, head)
         if type(self) is not OpError or (new == head and op in (None, self.op)):
             return self
         return OpError(self.status, op or self.op, new + self.arg[len(head):], self.expected, self.given)

@@ -32,13 +32,15 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
-from .. import backend
+from .. import backend, registry
 from ..contract._common import overlaps_itself
 from ..ops._out import takes_out
 from ..ops._plan import CallPlan, Planner
+from ..spec import cann_arg
 from ..status import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_PARAM_INVALID,
@@ -66,21 +68,11 @@ def _refuse(status: int, message: str) -> int:
     return status
 
 
-#: The aclnn spelling of the arguments the validation tables name as the PyTorch API does, per op: the CANN
-#: surface's refusals name the caller's argument (``numWeights``, not ``num_weights``).
-CANN_NAMES: dict[str, dict[str, str]] = {
-    "hardswish_backward": {"grad_output": "gradOutput"},
-    "embedding_dense_backward": {"num_weights": "numWeights", "padding_idx": "paddingIdx",
-                                 "scale_grad_by_freq": "scaleGradByFreq"},
-    "moe_token_permute_grad": {"permuted_output_grad": "permutedOutputGrad", "sorted_indices": "sortedIndices",
-                               "num_topk": "numTopk", "padded_mode": "paddedModeOptional"},
-    "moe_token_permute": {"num_out_tokens": "numOutTokens", "padded_mode": "paddedMode"},
-}
-
-
 def cann_error(error: OpError) -> OpError:
-    """``error`` with its argument in CANN's spelling (``grad_output.dtype`` -> ``gradOutput.dtype``)."""
-    return error.renamed(CANN_NAMES.get(error.op, {}))
+    """``error`` with its argument in CANN's spelling (``grad_output.dtype`` -> ``gradOutput.dtype``: the op's
+    :func:`gradops.spec.cann_arg`)."""
+    declared = registry.BY_NAME.get(error.op)
+    return error if declared is None else error.renamed(partial(cann_arg, declared))
 
 
 def refused(error: OpError) -> tuple[int, int, None]:

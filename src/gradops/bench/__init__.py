@@ -162,9 +162,10 @@ def _check_request(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda, but torch sees no CUDA device (use --device cpu)")
     from ..backend import decide
+    from ..registry import PROBE
 
     # A GRADOPS_BACKEND that cannot run here (triton without a GPU) fails every mode: say so before the first case.
-    decide("rms_norm_grad", torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    decide(PROBE, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if mode in ("models", "sweep") and args.dtype:
         timed = importlib.import_module(f"{__name__}.{mode}").DTYPES
         if any(d not in timed for d in args.dtype):

@@ -7,98 +7,39 @@ Providers (all compute the same gradients from the same inputs):
 - ``gradops fresh`` (CPU): the same with the pool off: every output is fresh memory and its first touch (page
   faults) is timed, as it is for eager;
 - ``gradops out=``: the public function writing into preallocated outputs (no allocation in the timed call);
-- ``eager``: the natural PyTorch way (autograd of ``F.rms_norm``, ``aten.native_layer_norm_backward``,
-  ``aten.hardswish_backward``, ``aten.embedding_dense_backward``, Megatron's ``index_add_`` for the MoE permute,
-  autograd of the gather-weight-sum for the unpermute);
+- ``eager``: the natural PyTorch way, the code the op replaces (:data:`EAGER` says what it runs per case);
 - ``compile``: ``torch.compile`` of gradops' pure-torch reference of the op (inductor; C++ on CPU, Triton on GPU);
 - ``liger``: Liger-Kernel's autograd function where it has the op (GPU only, when importable);
 - ``copy_``: ``dst.copy_(src)`` of the op's largest tensor, the bandwidth yardstick of the same run.
 
-Byte floors (s = element size, what each GB/s figure divides by; see docs/performance.md §1.2):
-
-- rms_norm_grad: ``M·N·3s + 4M + N·(s + 4)``
-- layer_norm_backward (fused): ``M·N·3s + 8M + N·(s + 8)``
-- layer_norm_grad+beta (CANN's two ops): grad ``M·N·4s + 8M + N·s`` plus beta ``M·N·2s + 2N·s``
-- hardswish_backward: ``3·n·s``
-- embedding_dense_backward: ``T·D·s + V·D·s + 8T``
-- moe_token_permute_grad: ``T·K·H·s + T·H·s + 4·T·K``
-- moe_token_unpermute_grad: ``2·T·K·H·s + T·H·s + 4·T·K + 2·T·K·s``
+Each op declares its shapes, inputs, peers and byte floor (what each GB/s figure divides by, s = element size;
+docs/performance.md §1.2 derives them) in its family's :mod:`gradops.specs` module (:class:`gradops.spec.Bench`);
+this module builds the providers from that declaration.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 import gradops
-from gradops import reference
-from gradops.registry import BENCH
+from gradops.registry import BENCH, timing
+from gradops.spec import Bench, OpSpec
 
-aten = torch.ops.aten
 #: The CPU output pool's switch (gradops.cpu._pool.ENV; spelled here so the bench imports without the CPU kernels).
 POOL_ENV = "GRADOPS_CPU_POOL_MB"
-
-#: Shapes per op: issue 6 for the CPU, issue 3 (LLM shapes) for CUDA, a tiny one for ``--quick``, one LLM shape per
-#: op for ``gpu-check`` (scripts/gpu_check.sh: 7 cases per dtype, each with a torch.compile of its own, fit its
+#: The shape sets: the CPU's (issue 6), CUDA's LLM shapes (issue 3), a tiny one for ``--quick``, one LLM shape per
+#: case for ``gpu-check`` (scripts/gpu_check.sh: 7 cases per dtype, each with a torch.compile of its own, fit its
 #: time box where the full CUDA set's 26 would not), and toy ones for ``--dry-run`` (the Triton interpreter runs
-#: them in well under a second each).
-SHAPES = {
-    "cpu": {
-        "rms_norm_grad": [{"M": 8192, "N": 4096}],
-        "layer_norm_backward": [{"M": 8192, "N": 4096}],
-        "layer_norm_grad+beta": [{"M": 8192, "N": 4096}],
-        "hardswish_backward": [{"n": 32 * 1024 * 1024}],
-        "embedding_dense_backward": [{"T": 16384, "D": 1024, "V": 32000}, {"T": 16384, "D": 1024, "V": 256000}],
-        "moe_token_permute_grad": [{"T": 8192, "K": 8, "H": 2048}],
-        "moe_token_unpermute_grad": [{"T": 8192, "K": 8, "H": 2048}],
-    },
-    "cuda": {
-        "rms_norm_grad": [{"M": m, "N": n} for m, n in ((4096, 2048), (16384, 4096), (16384, 8192), (65536, 4096),
-                                                         (16384, 16384), (4096, 65536))],
-        "layer_norm_backward": [{"M": m, "N": n} for m, n in ((4096, 2048), (16384, 4096), (16384, 8192),
-                                                               (65536, 4096), (16384, 16384), (4096, 65536))],
-        "layer_norm_grad+beta": [{"M": 16384, "N": 4096}, {"M": 65536, "N": 8192}],
-        "hardswish_backward": [{"n": 16384 * 4096}, {"n": 16384 * 14336}],
-        "embedding_dense_backward": [{"T": 16384, "D": 4096, "V": v} for v in (32000, 128256, 256000)],
-        "moe_token_permute_grad": [{"T": 16384, "K": 2, "H": 4096}, {"T": 4096, "K": 8, "H": 7168},
-                                   {"T": 8192, "K": 8, "H": 4096}],
-        "moe_token_unpermute_grad": [{"T": 16384, "K": 2, "H": 4096}, {"T": 4096, "K": 8, "H": 7168},
-                                     {"T": 8192, "K": 8, "H": 4096}],
-    },
-    "quick": {
-        "rms_norm_grad": [{"M": 256, "N": 512}],
-        "layer_norm_backward": [{"M": 256, "N": 512}],
-        "layer_norm_grad+beta": [{"M": 256, "N": 512}],
-        "hardswish_backward": [{"n": 1 << 17}],
-        "embedding_dense_backward": [{"T": 512, "D": 128, "V": 2000}],
-        "moe_token_permute_grad": [{"T": 256, "K": 4, "H": 256}],
-        "moe_token_unpermute_grad": [{"T": 256, "K": 4, "H": 256}],
-    },
-    "gpu-check": {
-        "rms_norm_grad": [{"M": 16384, "N": 4096}],
-        "layer_norm_backward": [{"M": 16384, "N": 4096}],
-        "layer_norm_grad+beta": [{"M": 16384, "N": 4096}],
-        "hardswish_backward": [{"n": 16384 * 4096}],
-        "embedding_dense_backward": [{"T": 16384, "D": 4096, "V": 128256}],
-        "moe_token_permute_grad": [{"T": 8192, "K": 8, "H": 4096}],
-        "moe_token_unpermute_grad": [{"T": 8192, "K": 8, "H": 4096}],
-    },
-    "dry": {
-        "rms_norm_grad": [{"M": 8, "N": 64}],
-        "layer_norm_backward": [{"M": 8, "N": 64}],
-        "layer_norm_grad+beta": [{"M": 8, "N": 64}],
-        "hardswish_backward": [{"n": 512}],
-        "embedding_dense_backward": [{"T": 16, "D": 32, "V": 50}],
-        "moe_token_permute_grad": [{"T": 8, "K": 2, "H": 32}],
-        "moe_token_unpermute_grad": [{"T": 8, "K": 2, "H": 32}],
-    },
-}
+#: them in well under a second each). Each op declares its shapes per set (:class:`gradops.spec.Bench`).
+SHAPE_SETS = ("cpu", "cuda", "quick", "gpu-check", "dry")
 OPS = BENCH  # every case, in the registry's order (tests/test_registry.py: each has shapes and a builder)
+#: Shapes per set and case.
+SHAPES: dict[str, dict[str, list[dict]]] = {kind: {case: timing(case)[0].shapes[kind] for case in OPS}
+                                            for kind in SHAPE_SETS}
 
 
 @dataclass
@@ -123,182 +64,41 @@ def _compiled(fn: Callable, notes: dict[str, str]) -> Callable | None:
         return None
 
 
-def _liger(module: str, name: str) -> type | None:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):  # not installed, or an API that moved: the provider is absent
-        return None
+def _results(result: object) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
 
 
-def _rms_norm_grad(shape, dtype, device, peers) -> Case:
-    m, n = shape["M"], shape["N"]
-    s = torch.finfo(dtype).bits // 8
-    x, dy = torch.randn(m, n, dtype=dtype, device=device), torch.randn(m, n, dtype=dtype, device=device)
-    gamma = torch.randn(n, dtype=dtype, device=device)
-    rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-6)
-    case = Case("rms_norm_grad", shape, dtype, m * n * 3 * s + 4 * m + n * (s + 4), m * n)
-    dx, dg = torch.empty_like(dy), torch.empty(n, device=device)
-    case.providers["gradops"] = lambda: gradops.rms_norm_grad(dy, x, rstd, gamma)
-    case.providers["gradops out="] = lambda: gradops.rms_norm_grad(dy, x, rstd, gamma, out=(dx, dg))
-    xr, gr = x.detach().requires_grad_(), gamma.detach().requires_grad_()
-    y = F.rms_norm(xr, (n,), gr, 1e-6)
-    case.providers["eager"] = lambda: torch.autograd.grad(y, (xr, gr), dy, retain_graph=True)
-    if "compile" in peers and (fn := _compiled(reference.rms_norm_grad, case.notes)):
-        case.providers["compile"] = lambda: fn(dy, x, rstd, gamma)
-    liger = _liger("liger_kernel.ops.rms_norm", "LigerRMSNormFunction") if device.type == "cuda" else None
-    if liger is not None:
-        # offset 0, Llama's casting, and in_place=False: Liger's default writes dx into dy, the input every other
-        # provider of the case reads
-        ly = liger.apply(xr, gr, 1e-6, 0.0, "llama", False)
-        case.providers["liger"] = lambda: torch.autograd.grad(ly, (xr, gr), dy, retain_graph=True)
-    return case
-
-
-def _ln_inputs(shape, dtype, device):
-    m, n = shape["M"], shape["N"]
-    x, dy = torch.randn(m, n, dtype=dtype, device=device), torch.randn(m, n, dtype=dtype, device=device)
-    gamma, beta = torch.randn(n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device)
-    mean = x.float().mean(-1)
-    var = (x.float() - mean[:, None]).square().mean(-1)
-    return m, n, x, dy, gamma, beta, mean, var, torch.rsqrt(var + 1e-5)
-
-
-def _ln_peers(case, shape, dtype, device, peers, x, dy, gamma, beta, mean, rstd):
-    n = shape["N"]
-    _, mean2, rstd2 = aten.native_layer_norm(x, [n], gamma, beta, 1e-5)  # the statistics torch itself keeps
-    case.providers["eager"] = lambda: aten.native_layer_norm_backward(dy, x, [n], mean2, rstd2, gamma, beta,
-                                                                      [True, True, True])
-    if "compile" in peers and (fn := _compiled(reference.layer_norm_backward, case.notes)):
-        case.providers["compile"] = lambda: fn(dy, x, mean, rstd, gamma)
-    liger = _liger("liger_kernel.ops.layer_norm", "LigerLayerNormFunction") if device.type == "cuda" else None
-    if liger is not None:
-        xr, gr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
-        ly = liger.apply(xr, gr, br, 1e-5)
-        case.providers["liger"] = lambda: torch.autograd.grad(ly, (xr, gr, br), dy, retain_graph=True)
-
-
-def _layer_norm_backward(shape, dtype, device, peers) -> Case:
-    m, n, x, dy, gamma, beta, mean, _, rstd = _ln_inputs(shape, dtype, device)
-    s = torch.finfo(dtype).bits // 8
-    case = Case("layer_norm_backward", shape, dtype, m * n * 3 * s + 8 * m + n * (s + 8), m * n)
-    dx, dg, db = torch.empty_like(x), torch.empty(n, device=device), torch.empty(n, device=device)
-    case.providers["gradops"] = lambda: gradops.layer_norm_backward(dy, x, mean, rstd, gamma)
-    case.providers["gradops out="] = lambda: gradops.layer_norm_backward(dy, x, mean, rstd, gamma, out=(dx, dg, db))
-    _ln_peers(case, shape, dtype, device, peers, x, dy, gamma, beta, mean, rstd)
-    return case
-
-
-def _layer_norm_grad_beta(shape, dtype, device, peers) -> Case:
-    m, n, x, dy, gamma, beta, mean, var, rstd = _ln_inputs(shape, dtype, device)
-    s = torch.finfo(dtype).bits // 8
-    nbytes = (m * n * 4 * s + 8 * m + n * s) + (m * n * 2 * s + 2 * n * s)
-    case = Case("layer_norm_grad+beta", shape, dtype, nbytes, m * n)
-
-    def fresh():
-        _, res = gradops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5)
-        return gradops.layer_norm_grad_beta(res, dy)
-
-    pdx, res_buf = torch.empty_like(x), torch.empty_like(x)
-    pg, pb = torch.empty(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
-
-    def prealloc():
-        gradops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5, out=(pdx, res_buf))
-        return gradops.layer_norm_grad_beta(res_buf, dy, out=(pg, pb))
-
-    case.providers["gradops"] = fresh
-    case.providers["gradops out="] = prealloc
-    _ln_peers(case, shape, dtype, device, peers, x, dy, gamma, beta, mean, rstd)
-    return case
-
-
-def _hardswish_backward(shape, dtype, device, peers) -> Case:
-    n = shape["n"]
-    s = torch.finfo(dtype).bits // 8
-    x = (torch.randn(n, device=device) * 4).to(dtype)
-    g = torch.randn(n, dtype=dtype, device=device)
-    out = torch.empty_like(x)
-    case = Case("hardswish_backward", shape, dtype, 3 * n * s, n)
-    case.providers["gradops"] = lambda: gradops.hardswish_backward(g, x)
-    case.providers["gradops out="] = lambda: gradops.hardswish_backward(g, x, out=out)
-    case.providers["eager"] = lambda: aten.hardswish_backward(g, x)
-    if "compile" in peers and (fn := _compiled(reference.hardswish_backward, case.notes)):
-        case.providers["compile"] = lambda: fn(g, x)
-    return case
-
-
-def _embedding_dense_backward(shape, dtype, device, peers) -> Case:
-    t, d, v = shape["T"], shape["D"], shape["V"]
-    s = torch.finfo(dtype).bits // 8
-    grad = torch.randn(t, d, dtype=dtype, device=device)
-    idx = torch.randint(0, v, (t,), device=device)
-    out = torch.empty(v, d, dtype=dtype, device=device)
-    case = Case("embedding_dense_backward", shape, dtype, t * d * s + v * d * s + 8 * t, v * d)
-    case.providers["gradops"] = lambda: gradops.embedding_dense_backward(grad, idx, v)
-    case.providers["gradops out="] = lambda: gradops.embedding_dense_backward(grad, idx, v, out=out)
-    case.providers["eager"] = lambda: aten.embedding_dense_backward(grad, idx, v, -1, False)
-    if "compile" in peers and (fn := _compiled(reference.embedding_dense_backward, case.notes)):
-        case.providers["compile"] = lambda: fn(grad, idx, v, -1, False)
-    return case
-
-
-def _moe_token_permute_grad(shape, dtype, device, peers) -> Case:
-    t, k, h = shape["T"], shape["K"], shape["H"]
-    s = torch.finfo(dtype).bits // 8
-    grad = torch.randn(t * k, h, dtype=dtype, device=device)
-    sorted_indices = torch.randperm(t * k, device=device).to(torch.int32)  # CANN's: destination row of (t, k)
-    # Megatron's unfused backward: permuted row r came from token token_of_row[r]; index_add_ into zeros
-    token_of_row = torch.empty(t * k, dtype=torch.long, device=device)
-    token_of_row[sorted_indices.long()] = torch.arange(t * k, device=device) // k
-    out = torch.empty(t, h, dtype=dtype, device=device)
-    case = Case("moe_token_permute_grad", shape, dtype, t * k * h * s + t * h * s + 4 * t * k, t * k * h)
-    case.providers["gradops"] = lambda: gradops.moe_token_permute_grad(grad, sorted_indices, k)
-    case.providers["gradops out="] = lambda: gradops.moe_token_permute_grad(grad, sorted_indices, k, out=out)
-    case.providers["eager"] = lambda: torch.zeros(t, h, dtype=dtype, device=device).index_add_(0, token_of_row, grad)
-    if "compile" in peers and (fn := _compiled(reference.moe_token_permute_grad, case.notes)):
-        case.providers["compile"] = lambda: fn(grad, sorted_indices, k)
-    return case
-
-
-def _moe_token_unpermute_grad(shape, dtype, device, peers) -> Case:
-    t, k, h = shape["T"], shape["K"], shape["H"]
-    s = torch.finfo(dtype).bits // 8
-    permuted = torch.randn(t * k, h, dtype=dtype, device=device)
-    grad = torch.randn(t, h, dtype=dtype, device=device)
-    sorted_indices = torch.randperm(t * k, device=device).to(torch.int32)
-    probs = torch.rand(t, k, dtype=dtype, device=device)
-    outs = (torch.empty_like(permuted), torch.empty_like(probs))
-    # The eager twin: autograd of the unpermute written in torch ops (gather the K copies of each token, weight,
-    # sum), the graph built once and its backward replayed; index_select's backward is an index_add_ into zeros.
-    p_leaf, w_leaf = permuted.clone().requires_grad_(), probs.clone().requires_grad_()
-    picked = p_leaf.index_select(0, sorted_indices.long()).view(t, k, h)
-    merged = (picked * w_leaf.unsqueeze(-1)).sum(1)
-    nbytes = 2 * t * k * h * s + t * h * s + 4 * t * k + 2 * t * k * s
-    case = Case("moe_token_unpermute_grad", shape, dtype, nbytes, t * k * h)
-    case.providers["gradops"] = lambda: gradops.moe_token_unpermute_grad(permuted, grad, sorted_indices, probs)
-    case.providers["gradops out="] = lambda: gradops.moe_token_unpermute_grad(permuted, grad, sorted_indices, probs,
-                                                                              out=outs)
-    case.providers["eager"] = lambda: torch.autograd.grad(merged, (p_leaf, w_leaf), grad, retain_graph=True)
-    if "compile" in peers and (fn := _compiled(reference.moe_token_unpermute_grad, case.notes)):
-        case.providers["compile"] = lambda: fn(permuted, grad, sorted_indices, probs)
-    return case
+def _builder(bench: Bench, op: OpSpec) -> Callable[[dict, torch.dtype, torch.device, set[str]], Case]:
+    """The case's providers from its declaration: the public function as a user calls it (or the case's own
+    ``run``), the same into outputs made once, and the declared peers."""
+    def build_case(shape: dict, dtype: torch.dtype, device: torch.device, peers: set[str]) -> Case:
+        timed = bench.prepare(shape, dtype, device)
+        s = torch.finfo(dtype).bits // 8
+        case = Case(bench.case, shape, dtype, bench.nbytes(shape, s), bench.copy_numel(shape))
+        if bench.run is not None:
+            run, args = bench.run, (gradops, *timed.args)
+        else:
+            run, args = getattr(gradops, op.name), timed.args
+        made = _results(run(*args))
+        out = tuple(torch.empty_like(t) for t in made)
+        out = out if len(out) > 1 or bench.run is not None else out[0]
+        case.providers["gradops"] = lambda: run(*args)
+        case.providers["gradops out="] = lambda: run(*args, out=out)
+        case.providers["eager"] = timed.eager
+        if "compile" in peers and timed.compiled is not None and (fn := _compiled(timed.compiled[0], case.notes)):
+            compiled_args = timed.compiled[1]
+            case.providers["compile"] = lambda: fn(*compiled_args)
+        if timed.liger is not None:
+            case.providers["liger"] = timed.liger
+        return case
+    return build_case
 
 
 #: What each case's ``eager`` provider runs: the kernel or PyTorch code the gradops function replaces.
-EAGER = {
-    "rms_norm_grad": "autograd of F.rms_norm", "layer_norm_backward": "aten.native_layer_norm_backward",
-    "layer_norm_grad+beta": "aten.native_layer_norm_backward", "hardswish_backward": "aten.hardswish_backward",
-    "embedding_dense_backward": "aten.embedding_dense_backward",
-    "moe_token_permute_grad": "index_add_ into zeros (Megatron)",
-    "moe_token_unpermute_grad": "autograd of index_select, weight, sum",
-}
+EAGER = {case: timing(case)[0].eager_name for case in OPS}
 
 #: One builder per ``gradops bench`` case, named as :data:`gradops.registry.BENCH` names them.
-BUILDERS = {
-    "rms_norm_grad": _rms_norm_grad, "layer_norm_backward": _layer_norm_backward,
-    "layer_norm_grad+beta": _layer_norm_grad_beta, "hardswish_backward": _hardswish_backward,
-    "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute_grad": _moe_token_permute_grad,
-    "moe_token_unpermute_grad": _moe_token_unpermute_grad,
-}
+BUILDERS = {case: _builder(*timing(case)) for case in OPS}
 
 
 def _without_pool(fn: Callable[[], object]) -> Callable[[], object]:

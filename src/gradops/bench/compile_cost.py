@@ -21,30 +21,16 @@ import torch
 
 
 def first_calls(backend: ModuleType, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
-    """One tiny call of every operator of :mod:`gradops.registry` on ``backend`` (a backend module: its 2-D
-    functions), inputs in ``dtype``: what a first call compiles."""
-    g = torch.Generator().manual_seed(0)
-    x, dy, gamma = (torch.randn(8, 64, generator=g).to(dtype), torch.randn(8, 64, generator=g).to(dtype),
-                    torch.randn(64, generator=g).to(dtype))
-    stat = torch.rand(8, generator=g) + 0.5
-    experts = torch.randint(0, 4, (4, 2), generator=g)
-    sorted_indices = torch.randperm(8, generator=g).to(torch.int32)
-    probs = torch.rand(4, 2, generator=g).to(dtype)
-    return {
-        "rms_norm": lambda: backend.rms_norm(x, gamma, 1e-6),
-        "rms_norm_grad": lambda: backend.rms_norm_grad(dy, x, stat, gamma),
-        "layer_norm": lambda: backend.layer_norm(x, gamma, gamma, 1e-5),
-        "layer_norm_grad": lambda: backend.layer_norm_grad(dy, x, stat, stat, gamma, 1e-5),
-        "layer_norm_grad_beta": lambda: backend.layer_norm_grad_beta(x, dy),
-        "layer_norm_backward": lambda: backend.layer_norm_backward(dy, x, stat, stat, gamma),
-        "hardswish": lambda: backend.hardswish(x),
-        "hardswish_backward": lambda: backend.hardswish_backward(dy, x),
-        "embedding_dense_backward": lambda: backend.embedding_dense_backward(dy, torch.arange(8), 10, -1, False),
-        "moe_token_permute": lambda: backend.moe_token_permute(x[:4], experts, 8),
-        "moe_token_permute_grad": lambda: backend.moe_token_permute_grad(dy, sorted_indices, 2),
-        "moe_token_unpermute": lambda: backend.moe_token_unpermute(dy, sorted_indices, probs),
-        "moe_token_unpermute_grad": lambda: backend.moe_token_unpermute_grad(dy, x[:4], sorted_indices, probs),
-    }
+    """One tiny call (8 x 64) of every operator of :mod:`gradops.registry` on ``backend`` (a backend module: its
+    2-D functions), its declared example in ``dtype``: what a first call loads and plans."""
+    from gradops.registry import OPS
+
+    calls = {}
+    for spec in OPS:
+        args = spec.example(8, 64, dtype, torch.device("cpu"), torch.Generator().manual_seed(0)).args
+        fn = getattr(backend, spec.name)
+        calls[spec.name] = lambda fn=fn, args=args: fn(*args)
+    return calls
 
 
 #: Run in the child: import, then one first call per op and dtype, each timed.

@@ -112,9 +112,10 @@ def _worker(impl: str, tokens: tuple[int, int], width: int, vocab: int, later: i
         import gradops
         from gradops import native
         from gradops.backend import select
+        from gradops.registry import PROBE
 
         result["native"] = native.status()
-        result["backend"] = select("rms_norm_grad", torch.device("cpu"))[0]
+        result["backend"] = select(PROBE, torch.device("cpu"))[0]
         result["gradops"] = gradops.__version__
     if impl == "gradops" and env:
         from gradops.cli import main as cli

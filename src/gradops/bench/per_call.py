@@ -1,17 +1,19 @@
-"""Per-call cost: every public function at a size where the work is nil (8 x 8 fp32), against its ATen twin.
+"""Per-call cost: every public function at a size where the work is nil (8 x 8 fp32), against its PyTorch twin.
 
 What a call costs before and after the kernel - validation, the backend decision, allocation, conversion and the
 Python around them - is what a small model pays on every step. Each function is timed four ways where they
 apply: the eager direct path (what a user gets), the same call with ``out=`` (tensors made once and reused, as a
 training loop reuses its buffers), the same call through the ``torch.library`` op (``GRADOPS_EAGER=0``'s path,
-:mod:`gradops.ops._direct`), and ATen's kernel for the same work. The forwards
-that autograd records are also timed as forward + backward pairs. Timing: the cases run round-robin (so a noisy
+:mod:`gradops.ops._direct`), and PyTorch's own computation of the same outputs where it has one (the op's
+declared example and twin, :class:`gradops.spec.Example`; the ``ATen`` column). The forwards that autograd records
+are also timed as forward + backward pairs. Timing: the cases run round-robin (so a noisy
 neighbour hits all of them alike), 100 calls per round, and the best round's mean is reported.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -23,98 +25,45 @@ ROUNDS, CALLS = 30, 100
 
 
 def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
+    """Every declared op's 8 x 8 example (:class:`gradops.spec.Example`) four ways, then each forward as a forward +
+    backward pair on its floating inputs (the public function, the op, PyTorch's twin)."""
     import gradops
+    from gradops.registry import SPECS
 
-    g = torch.Generator().manual_seed(0)
-    x, dy, gamma, beta = (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g),
-                          torch.randn(8, generator=g))
-    _, rstd = gradops.rms_norm(x, gamma)
-    _, mean, var = gradops.layer_norm(x, gamma, beta, 1e-5)
-    ln_rstd = torch.rsqrt(var + 1e-5)
-    idx = torch.randint(0, 8, (8,), generator=g)
-    experts = torch.randint(0, 4, (8, 2), generator=g)
-    _, sorted_idx = gradops.moe_token_permute(x, experts)
-    perm_grad = torch.randn(16, 8, generator=g)
-    probs = torch.rand(8, 2, generator=g)
-    pg, probs_g = perm_grad.clone().requires_grad_(), probs.clone().requires_grad_()
-    ops = torch.ops.gradops
-    aten = torch.ops.aten
-    xg, wg = x.clone().requires_grad_(), torch.randn(8, 8, generator=g).requires_grad_()
-    gg, bg = gamma.clone().requires_grad_(), beta.clone().requires_grad_()
+    def pair(fn: Callable[..., object], args: tuple) -> Callable[[], None]:
+        leaves = tuple(a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                       else a for a in args)
 
-    def pair(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        return lambda: fn().sum().backward()
+        def run() -> None:
+            result = fn(*leaves)
+            (result[0] if isinstance(result, tuple) else result).sum().backward()
+        return run
 
-    def into(fn: Callable[..., object], *args: object) -> Callable[[], object]:
+    def into(fn: Callable[..., object], args: tuple) -> Callable[[], object]:
         """fn(*args, out=...) into tensors made once like its results (a preallocated out, as a user reuses it)."""
         result = fn(*args)
         out = tuple(torch.empty_like(r) for r in result) if isinstance(result, tuple) else torch.empty_like(result)
         return lambda: fn(*args, out=out)
 
-    return {
-        "rms_norm": {"gradops": lambda: gradops.rms_norm(x, gamma), "op": lambda: ops.rms_norm(x, gamma, 1e-6),
-                     "aten": lambda: torch.rms_norm(x, [8], gamma, 1e-6),
-                     "out": into(gradops.rms_norm, x, gamma)},
-        "rms_norm_grad": {"gradops": lambda: gradops.rms_norm_grad(dy, x, rstd, gamma),
-                          "op": lambda: ops.rms_norm_grad(dy, x, rstd, gamma), "aten": None,
-                          "out": into(gradops.rms_norm_grad, dy, x, rstd, gamma)},
-        "layer_norm": {"gradops": lambda: gradops.layer_norm(x, gamma, beta, 1e-5),
-                       "op": lambda: ops.layer_norm(x, gamma, beta, 1e-5),
-                       "aten": lambda: torch.native_layer_norm(x, [8], gamma, beta, 1e-5),
-                       "out": into(gradops.layer_norm, x, gamma, beta, 1e-5)},
-        "layer_norm_backward": {
-            "gradops": lambda: gradops.layer_norm_backward(dy, x, mean, ln_rstd, gamma),
-            "op": lambda: ops.layer_norm_backward(dy, x, mean, ln_rstd, gamma),
-            "aten": lambda: aten.native_layer_norm_backward(dy, x, [8], mean[:, None], ln_rstd[:, None], gamma, beta,
-                                                            [True, True, True]),
-            "out": into(gradops.layer_norm_backward, dy, x, mean, ln_rstd, gamma)},
-        "layer_norm_grad": {"gradops": lambda: gradops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5),
-                            "op": lambda: ops.layer_norm_grad(dy, x, var, mean, gamma, 1e-5), "aten": None,
-                            "out": into(gradops.layer_norm_grad, dy, x, var, mean, gamma, 1e-5)},
-        "layer_norm_grad_beta": {"gradops": lambda: gradops.layer_norm_grad_beta(x, dy),
-                                 "op": lambda: ops.layer_norm_grad_beta(x, dy), "aten": None,
-                                 "out": into(gradops.layer_norm_grad_beta, x, dy)},
-        "hardswish": {"gradops": lambda: gradops.hardswish(x), "op": lambda: ops.hardswish(x),
-                      "aten": lambda: aten.hardswish(x), "out": into(gradops.hardswish, x)},
-        "hardswish_backward": {"gradops": lambda: gradops.hardswish_backward(dy, x),
-                               "op": lambda: ops.hardswish_backward(dy, x),
-                               "aten": lambda: aten.hardswish_backward(dy, x),
-                               "out": into(gradops.hardswish_backward, dy, x)},
-        "embedding": {"gradops": lambda: gradops.embedding(x, idx), "op": lambda: ops.embedding(x, idx, -1, False),
-                      "aten": lambda: aten.embedding(x, idx)},
-        "embedding_dense_backward": {
-            "gradops": lambda: gradops.embedding_dense_backward(dy, idx, 8),
-            "op": lambda: ops.embedding_dense_backward(dy, idx, 8, -1, False),
-            "aten": lambda: aten.embedding_dense_backward(dy, idx, 8, -1, False),
-            "out": into(gradops.embedding_dense_backward, dy, idx, 8)},
-        "moe_token_permute": {"gradops": lambda: gradops.moe_token_permute(x, experts),
-                              "op": lambda: ops.moe_token_permute(x, experts, None, False), "aten": None,
-                              "out": into(gradops.moe_token_permute, x, experts)},
-        "moe_token_permute_grad": {"gradops": lambda: gradops.moe_token_permute_grad(perm_grad, sorted_idx, 2),
-                                   "op": lambda: ops.moe_token_permute_grad(perm_grad, sorted_idx, 2, False),
-                                   "aten": None, "out": into(gradops.moe_token_permute_grad, perm_grad, sorted_idx, 2)},
-        "moe_token_unpermute": {"gradops": lambda: gradops.moe_token_unpermute(perm_grad, sorted_idx, probs),
-                                "op": lambda: ops.moe_token_unpermute(perm_grad, sorted_idx, probs, False),
-                                "aten": None, "out": into(gradops.moe_token_unpermute, perm_grad, sorted_idx, probs)},
-        "moe_token_unpermute_grad": {
-            "gradops": lambda: gradops.moe_token_unpermute_grad(perm_grad, x, sorted_idx, probs),
-            "op": lambda: ops.moe_token_unpermute_grad(perm_grad, x, sorted_idx, probs, False), "aten": None,
-            "out": into(gradops.moe_token_unpermute_grad, perm_grad, x, sorted_idx, probs)},
-        "rms_norm fwd+bwd": {"gradops": pair(lambda: gradops.rms_norm(xg, gg)[0]),
-                             "op": pair(lambda: ops.rms_norm(xg, gg, 1e-6)[0]),
-                             "aten": pair(lambda: torch.rms_norm(xg, [8], gg, 1e-6))},
-        "layer_norm fwd+bwd": {"gradops": pair(lambda: gradops.layer_norm(xg, gg, bg, 1e-5)[0]),
-                               "op": pair(lambda: ops.layer_norm(xg, gg, bg, 1e-5)[0]),
-                               "aten": pair(lambda: torch.nn.functional.layer_norm(xg, [8], gg, bg, 1e-5))},
-        "hardswish fwd+bwd": {"gradops": pair(lambda: gradops.hardswish(xg)), "op": pair(lambda: ops.hardswish(xg)),
-                              "aten": pair(lambda: torch.nn.functional.hardswish(xg))},
-        "embedding fwd+bwd": {"gradops": pair(lambda: gradops.embedding(wg, idx)),
-                              "op": pair(lambda: ops.embedding(wg, idx, -1, False)),
-                              "aten": pair(lambda: torch.nn.functional.embedding(idx, wg))},
-        "moe_token_unpermute fwd+bwd": {"gradops": pair(lambda: gradops.moe_token_unpermute(pg, sorted_idx, probs_g)),
-                                        "op": pair(lambda: ops.moe_token_unpermute(pg, sorted_idx, probs_g, False)),
-                                        "aten": None},
-    }
+    def op_args(fn: Callable[..., object], op: torch._ops.OpOverloadPacket, args: tuple) -> tuple:
+        """``args`` with the public function's defaults, as many as the op's schema takes (it takes them all)."""
+        bound = inspect.signature(fn).bind(*args)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())[:len(op.default._schema.arguments)]
+
+    plain, pairs = {}, {}
+    for spec in SPECS:
+        example = spec.example(8, 8, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+        args, twin = example.args, example.twin
+        fn, op = getattr(gradops, spec.name), getattr(torch.ops.gradops, spec.name)
+        full = op_args(fn, op, args)
+        plain[spec.name] = {"gradops": lambda fn=fn, args=args: fn(*args), "op": lambda op=op, args=full: op(*args),
+                            "aten": None if twin is None else lambda twin=twin, args=args: twin(*args),
+                            "out": into(fn, args) if spec.kernels else None}
+        if not spec.backward:
+            pairs[f"{spec.name} fwd+bwd"] = {"gradops": pair(fn, args), "op": pair(op, full),
+                                            "aten": None if twin is None else pair(twin, args)}
+    return {**plain, **pairs}
 
 
 def _time(cases: dict[str, dict[str, Callable[[], object] | None]]) -> dict[tuple[str, str], float]:

@@ -86,11 +86,12 @@ def environment(device: torch.device, dry: bool = False) -> dict:
     ``"dry_run": true`` with ``dry`` or ``GRADOPS_DRY_RUN=1``."""
     import gradops
     from gradops.backend import select
+    from gradops.registry import PROBE
 
     env = {
         "device": device.type, "device_name": device_name(device), "torch": torch.__version__,
         "triton": version("triton"), "liger_kernel": version("liger-kernel"),
-        "gradops": gradops.__version__, "gradops_backend": select("rms_norm_grad", device)[0],
+        "gradops": gradops.__version__, "gradops_backend": select(PROBE, device)[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(), **commit(),
         "driver": driver() if device.type == "cuda" else None, "cuda_runtime": torch.version.cuda,

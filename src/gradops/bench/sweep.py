@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from gradops.registry import BENCH
+from gradops.registry import BENCH, timing
 
 #: (rows, columns) of the activation: 8 x 8 up to 4096 x 1024 (issue 9's table, plus the per-call end).
 SIZES = ((8, 8), (64, 128), (512, 256), (2048, 512), (4096, 1024))
@@ -101,18 +101,13 @@ def _pair(name: str, cols: int, dtype: torch.dtype, device: torch.device,
 
 
 def op_shape(op: str, rows: int, cols: int, vocab: int) -> dict:
-    """The shape of backward function ``op`` at a sweep size: the norms' M x N, hardswish's ``rows·cols``
-    elements, the embedding's T tokens of width D into a ``vocab``-row table, the MoE functions' T tokens of
-    hidden size H routed to :data:`TOP_K` experts each."""
-    if op in ("rms_norm_grad", "layer_norm_backward", "layer_norm_grad+beta"):
-        return {"M": rows, "N": cols}
-    if op == "hardswish_backward":
-        return {"n": rows * cols}
-    if op == "embedding_dense_backward":
-        return {"T": rows, "D": cols, "V": vocab}
-    if op in ("moe_token_permute_grad", "moe_token_unpermute_grad"):
-        return {"T": rows, "K": TOP_K, "H": cols}
-    raise ValueError(f"no sweep shape for {op!r}")
+    """The shape of ``gradops bench`` case ``op`` at a sweep size, as the op declares it
+    (:attr:`gradops.spec.Bench.sizes`: the norms' M x N, hardswish's ``rows·cols`` elements, the embedding's T
+    tokens of width D into a ``vocab``-row table, the MoE functions' T tokens of hidden size H routed to
+    :data:`TOP_K` experts each)."""
+    if op not in BENCH:
+        raise ValueError(f"no sweep shape for {op!r}")
+    return timing(op)[0].sizes(rows, cols, vocab, TOP_K)
 
 
 def _step(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> Callable[[], None]:

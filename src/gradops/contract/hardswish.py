@@ -4,7 +4,7 @@ Source: hicann/ops-nn ``activation/hard_swish_grad/op_host/op_api/aclnn_hardswis
 {float32, float16, bfloat16} (the PyTorch API also float64), gradOutput, self and out share dtype and shape (no
 broadcasting), at most 8 dims, 0-d and empty tensors allowed, non-contiguous supported. Errors name the PyTorch
 API's arguments (``grad_output``); the aclnn surface renames them to CANN's (``gradOutput``,
-:data:`gradops.aclnn._executor.CANN_NAMES`).
+:func:`gradops.spec.cann_arg`).
 """
 
 from __future__ import annotations

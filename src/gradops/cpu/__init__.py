@@ -14,12 +14,7 @@ from .. import native as _native
 
 _native.kernels()  # ImportError where the kernels cannot be had: how gradops.backend learns it
 
-from . import embedding as _embedding  # noqa: E402
-from . import hardswish as _hardswish  # noqa: E402
-from . import layer_norm as _layer_norm  # noqa: E402
-from . import moe_permute as _moe_permute  # noqa: E402
-from . import programs  # noqa: E402
-from . import rms_norm as _rms_norm  # noqa: E402
+from . import programs  # noqa: E402, F401 - each family module below registers its programs there
 from .embedding import (  # noqa: E402 - after the kernels' check, on purpose
     embedding_dense_backward,
     embedding_dense_backward_shaped,
@@ -55,10 +50,6 @@ from .rms_norm import (  # noqa: E402
     rms_norm_grad_workspace,
     rms_norm_shaped,
 )
-
-for _family in (_embedding, _hardswish, _layer_norm, _moe_permute, _rms_norm):
-    programs.BUILDERS.update(_family.PROGRAMS)
-del _family
 
 __all__ = [
     "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..contract.embedding import checked_indices, index_error
 from . import _pool
 from ._host import dense, finish, kernel, output
-from .programs import Program, arg
+from .programs import BUILDERS, Program, arg
 
 
 def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
@@ -112,8 +112,9 @@ def _program_embedding_dense_backward(plan, grad, indices, num_weights, padding_
     return p.returns(out)
 
 
-#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+#: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "embedding": _program_embedding,
     "embedding_dense_backward": _program_embedding_dense_backward,
 }
+BUILDERS.update(PROGRAMS)

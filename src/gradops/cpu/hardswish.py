@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _pool
 from ._host import kernel
-from .programs import Program, arg
+from .programs import BUILDERS, Program, arg
 
 
 def _dense(t: Tensor) -> bool:
@@ -100,8 +100,9 @@ def _program_hardswish_backward(shape, grad_output, x):
     return p.returns(dx)
 
 
-#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+#: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "hardswish": _program_hardswish,
     "hardswish_backward": _program_hardswish_backward,
 }
+BUILDERS.update(PROGRAMS)

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..contract.layer_norm import LayerNormPlan, statistic_error
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
-from .programs import Program, arg
+from .programs import BUILDERS, Program, arg
 
 
 def _outs(out, i):
@@ -213,10 +213,11 @@ def _program_layer_norm_backward(plan, dy, x, mean, rstd, gamma):
     return p.returns(dx, dgamma, dbeta)
 
 
-#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+#: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "layer_norm": _program_layer_norm,
     "layer_norm_grad": _program_layer_norm_grad,
     "layer_norm_grad_beta": _program_layer_norm_grad_beta,
     "layer_norm_backward": _program_layer_norm_backward,
 }
+BUILDERS.update(PROGRAMS)

@@ -22,7 +22,7 @@ from ..contract.moe_permute import (
     sorted_index_error,
 )
 from ._host import dense, finish, kernel, output
-from .programs import Program, arg
+from .programs import BUILDERS, Program, arg
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
@@ -194,10 +194,11 @@ def _program_moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, so
     return p.returns(dx, dp)
 
 
-#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+#: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "moe_token_permute": _program_moe_token_permute,
     "moe_token_permute_grad": _program_moe_token_permute_grad,
     "moe_token_unpermute": _program_moe_token_unpermute,
     "moe_token_unpermute_grad": _program_moe_token_unpermute_grad,
 }
+BUILDERS.update(PROGRAMS)

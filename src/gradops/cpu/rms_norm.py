@@ -13,7 +13,7 @@ from torch import Tensor
 from ..contract.rms_norm import RmsNormPlan
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
-from .programs import Program, arg
+from .programs import BUILDERS, Program, arg
 
 
 def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Tensor, m: int, n: int) -> None:
@@ -115,8 +115,9 @@ def _program_rms_norm_grad(plan, dy, x, rstd, gamma):
     return p.returns(dx, dgamma)
 
 
-#: op -> its program's builder (gradops.cpu registers them in programs.BUILDERS).
+#: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "rms_norm": _program_rms_norm,
     "rms_norm_grad": _program_rms_norm_grad,
 }
+BUILDERS.update(PROGRAMS)

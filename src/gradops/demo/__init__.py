@@ -22,6 +22,7 @@ import torch
 
 from .. import backend
 from ..cli_support import CommandError, int_at_least, output_dir, positive_float, seed_value
+from ..registry import NAMES
 from .data import Batches, load_text
 from .model import Config, build_pair
 from .report import (
@@ -37,9 +38,8 @@ from .report import (
 )
 from .training import train
 
-#: The operators one training step runs (forward ops and the backward ops their autograd calls).
-OPS = ("embedding_dense_backward", "rms_norm", "rms_norm_grad", "layer_norm", "layer_norm_backward", "hardswish",
-       "hardswish_backward", "moe_token_permute", "moe_token_permute_grad")
+#: The operators a training step may run (the model's forwards and the backwards their autograd calls): gradops'.
+OPS = NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
           f"top-{cfg.topk}, {params / 1e3:.0f}k parameters, {args.batch_size}x{cfg.seq_len} bytes per step, "
           f"{args.steps} steps on {device} (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     print(f"corpus: {source}")
-    print("backends: " + ", ".join(f"{op}={backend.select(op, device)[0]}" for op in OPS))
+    chosen: dict[str, list[str]] = {}
+    for op in OPS:
+        chosen.setdefault(backend.select(op, device)[0], []).append(op)
+    print("backends: " + "; ".join(f"{name} ({len(ops)} ops)" if len(chosen) == 1 else f"{name}: {', '.join(ops)}"
+                                   for name, ops in chosen.items()))
     print("MoE permute / unpermute: gradops.nn.MoeTokenPermute / MoeTokenUnpermute (twin: torch argsort + gather)")
     print(report)
     print()

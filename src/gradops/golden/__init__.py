@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-weights", type=int, default=None)
     parser.add_argument("--padding-idx", type=int, default=None)
     parser.add_argument("--scale-grad-by-freq", action="store_true", default=None)
-    parser.add_argument("--index-dtype", choices=INDEX_DTYPES["embedding_dense_backward"], default=None,
+    parser.add_argument("--index-dtype", choices=tuple(dict.fromkeys(d for ds in INDEX_DTYPES.values() for d in ds)),
+                        default=None,
                         help="embedding: any of the nine (floats truncated toward zero); MoE permute: int64, int32")
     parser.add_argument("--topk", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)

@@ -47,8 +47,6 @@ _module: ModuleType | None = None
 _why: str = "not loaded yet"
 _tried = False
 _switched_off = False
-#: op -> the extension's constant naming it to ``set_differentiable``.
-_OPS = {"hardswish": "HARDSWISH", "layer_norm": "LAYER_NORM", "embedding": "EMBEDDING"}
 _registered: set[str] = set()
 
 
@@ -297,7 +295,7 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
     if ext is None:
         return None
     if op not in _registered:
-        ext.set_differentiable(getattr(ext, _OPS[op]), differentiable)
+        ext.set_differentiable(getattr(ext, op.upper()), differentiable)  # the extension's constant naming the op
         _registered.add(op)
     return getattr(ext, op)
 

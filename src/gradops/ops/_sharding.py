@@ -1,4 +1,5 @@
 """DTensor sharding rules for every gradops op, so that sequence- and tensor-parallel models run gradops modules.
+Each op declares its rule (:attr:`gradops.spec.OpSpec.sharding`); this module registers them.
 
 A custom op that meets a DTensor needs a rule saying which input placements it accepts and what its outputs' are
 (``torch.distributed.tensor.experimental.register_sharding``); without one DTensor refuses the op. The rules:
@@ -25,12 +26,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from .._compat import lookup
+from ..registry import SPECS
 
 _registered = False
 #: Why the rules are not registered on this torch (None while they can be): DTensor then refuses gradops' ops, as
@@ -62,81 +62,7 @@ def register() -> None:
         return
 
     R, P = Replicate(), Partial()
-    ops = torch.ops.gradops
-
-    def rule(op: Any) -> Callable[[Callable[..., list]], Callable[..., list]]:
-        return register_sharding(op.default)
-
-    def rows(x: Any, stat: Any, normalised: int) -> range:
-        """Row dims a norm may be sharded over: leading dims of x that the statistic also has."""
-        return range(min(x.ndim - normalised, stat.ndim))
-
-    @rule(ops.rms_norm)
-    def _(x, gamma, epsilon):
-        return [([R, R], [R, R, None])] + [([Shard(d), Shard(d)], [Shard(d), R, None])
-                                          for d in range(x.ndim - gamma.ndim)]
-
-    @rule(ops.rms_norm_grad)
-    def _(dy, x, rstd, gamma):
-        return [([R, R], [R, R, R, R])] + [([Shard(d), P], [Shard(d), Shard(d), Shard(d), R])
-                                          for d in rows(x, rstd, gamma.ndim)]
-
-    @rule(ops.layer_norm)
-    def _(x, gamma, beta, epsilon):
-        return [([R, R, R], [R, R, R, None])] + [([Shard(d)] * 3, [Shard(d), R, R, None])
-                                                for d in range(x.ndim - gamma.ndim)]
-
-    @rule(ops.layer_norm_backward)
-    def _(dy, x, mean, rstd, gamma):
-        return [([R, R, R], [R] * 5)] + [([Shard(d), P, P], [Shard(d)] * 4 + [R])
-                                        for d in rows(x, mean, gamma.ndim)]
-
-    @rule(ops.layer_norm_grad)
-    def _(dy, x, variance, mean, gamma, epsilon):
-        return [([R, R], [R] * 5 + [None])] + [([Shard(d), Shard(d)], [Shard(d)] * 4 + [R, None])
-                                              for d in rows(x, variance, gamma.ndim)]
-
-    @rule(ops.layer_norm_grad_beta)
-    def _(res_for_gamma, dy):
-        return [([R, R], [R, R])] + [([P, P], [Shard(d), Shard(d)]) for d in range(dy.ndim - 1)]
-
-    @rule(ops.hardswish)
-    def _(x):
-        return [([R], [R])] + [([Shard(d)], [Shard(d)]) for d in range(x.ndim)]
-
-    @rule(ops.hardswish_backward)
-    def _(grad_output, x):
-        return [([R], [R, R])] + [([Shard(d)], [Shard(d), Shard(d)]) for d in range(x.ndim)]
-
-    @rule(ops.embedding)
-    def _(weight, indices, padding_idx, scale_grad_by_freq):
-        tokens = [([Shard(d)], [R, Shard(d), None, None]) for d in range(indices.ndim)]
-        return [([R], [R, R, None, None]), ([Shard(indices.ndim)], [Shard(1), R, None, None]), *tokens]
-
-    @rule(ops.embedding_dense_backward)
-    def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
-        found = [([R], [R, R, None, None, None]), ([Shard(1)], [Shard(grad.ndim - 1), R, None, None, None])]
-        if not scale_grad_by_freq and grad.ndim == indices.ndim + 1:
-            found += [([P], [Shard(d), Shard(d), None, None, None]) for d in range(indices.ndim)]
-        return found
-
-    @rule(ops.moe_token_permute)
-    def _(tokens, indices, num_out_tokens, padded_mode):
-        return [([R, R], [R, R, None, None]), ([Shard(1), R], [Shard(1), R, None, None])]
-
-    @rule(ops.moe_token_permute_grad)
-    def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
-        return [([R], [R, R, None, None]), ([Shard(1)], [Shard(1), R, None, None])]
-
-    @rule(ops.moe_token_unpermute)
-    def _(permuted_tokens, sorted_indices, probs, padded_mode):
-        p = None if probs is None else R
-        return [([R], [R, R, p, None]), ([Shard(1)], [Shard(1), R, p, None])]
-
-    @rule(ops.moe_token_unpermute_grad)
-    def _(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
-        if probs is None:  # the second result is an empty (0,) placeholder on every rank
-            return [([R, R], [R, R, R, None, None]), ([Shard(1), R], [Shard(1), Shard(1), R, None, None])]
-        return [([R, R], [R, R, R, R, None]), ([Shard(1), P], [Shard(1), Shard(1), R, R, None])]
-
+    for spec in SPECS:  # each op declares its rule (gradops.specs)
+        if spec.sharding is not None:
+            register_sharding(getattr(torch.ops.gradops, spec.name).default)(spec.sharding(R, P, Shard))
     _registered = True
