@@ -67,8 +67,8 @@ def test_every_op_declares_what_the_surfaces_read():
 
 @pytest.mark.parametrize("spec", registry.SPECS, ids=lambda s: s.name)
 def test_examples_run_on_the_public_function_and_match_the_twin(spec):
-    """Each example is a valid call (the public function takes it as it is) with one reduction length per output,
-    and its twin, where PyTorch has one, gives as many elements per output."""
+    """Each example is a valid call (the public function takes it as it is) with one reduction length per output;
+    its twin, where PyTorch has one, gives as many elements per output, and ATen's kernel the same first output."""
     import gradops
 
     example = spec.example(6, 16, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(1))
@@ -79,6 +79,10 @@ def test_examples_run_on_the_public_function_and_match_the_twin(spec):
         twin = example.twin(*example.args)
         for ours, theirs in zip(out, twin):
             assert ours.numel() == theirs.numel(), spec.name
+    if example.kernel is not None:  # ATen's kernel for the same work: the first output agrees
+        theirs = example.kernel(*example.args)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        torch.testing.assert_close(out[0], theirs, rtol=1e-5, atol=1e-5, msg=spec.name)
 
 
 def test_cann_argument_names():

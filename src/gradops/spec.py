@@ -30,12 +30,15 @@ class Example:
     ``torch.library`` op and each backend's function all take them as they are. ``lengths`` is the reduction length
     behind each output (the check's float32 accumulation bound). ``twin(*args)`` is PyTorch's own computation of
     the same outputs where PyTorch has one (None: it has none), and ``twin_mask`` the elements where PyTorch's
-    definition is CANN's (None: all)."""
+    definition is CANN's (None: all). ``kernel(*args)`` is ATen's kernel for the same work where ATen has one
+    (what ``gradops bench --per-call`` times beside the op: a twin built from autograd or several ops would time
+    their overhead, not a peer's)."""
 
     args: tuple
     lengths: tuple[int, ...]
     twin: Callable[..., tuple] | None = None
     twin_mask: Tensor | None = None
+    kernel: Callable[..., object] | None = None
 
 
 @dataclass(frozen=True)

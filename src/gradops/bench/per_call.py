@@ -1,11 +1,11 @@
-"""Per-call cost: every public function at a size where the work is nil (8 x 8 fp32), against its PyTorch twin.
+"""Per-call cost: every public function at a size where the work is nil (8 x 8 fp32), against ATen's kernel.
 
 What a call costs before and after the kernel - validation, the backend decision, allocation, conversion and the
 Python around them - is what a small model pays on every step. Each function is timed four ways where they
 apply: the eager direct path (what a user gets), the same call with ``out=`` (tensors made once and reused, as a
 training loop reuses its buffers), the same call through the ``torch.library`` op (``GRADOPS_EAGER=0``'s path,
-:mod:`gradops.ops._direct`), and PyTorch's own computation of the same outputs where it has one (the op's
-declared example and twin, :class:`gradops.spec.Example`; the ``ATen`` column). The forwards that autograd records
+:mod:`gradops.ops._direct`), and ATen's kernel for the same work where ATen has one (the op's declared example
+and kernel, :class:`gradops.spec.Example`). The forwards that autograd records
 are also timed as forward + backward pairs. Timing: the cases run round-robin (so a noisy
 neighbour hits all of them alike), 100 calls per round, and the best round's mean is reported.
 """
@@ -26,7 +26,7 @@ ROUNDS, CALLS = 30, 100
 
 def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
     """Every declared op's 8 x 8 example (:class:`gradops.spec.Example`) four ways, then each forward as a forward +
-    backward pair on its floating inputs (the public function, the op, PyTorch's twin)."""
+    backward pair on its floating inputs (the public function, the op, ATen's kernel)."""
     import gradops
     from gradops.registry import SPECS
 
@@ -54,15 +54,15 @@ def _cases() -> dict[str, dict[str, Callable[[], object] | None]]:
     plain, pairs = {}, {}
     for spec in SPECS:
         example = spec.example(8, 8, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
-        args, twin = example.args, example.twin
+        args, kernel = example.args, example.kernel
         fn, op = getattr(gradops, spec.name), getattr(torch.ops.gradops, spec.name)
         full = op_args(fn, op, args)
         plain[spec.name] = {"gradops": lambda fn=fn, args=args: fn(*args), "op": lambda op=op, args=full: op(*args),
-                            "aten": None if twin is None else lambda twin=twin, args=args: twin(*args),
+                            "aten": None if kernel is None else lambda kernel=kernel, args=args: kernel(*args),
                             "out": into(fn, args) if spec.kernels else None}
         if not spec.backward:
             pairs[f"{spec.name} fwd+bwd"] = {"gradops": pair(fn, args), "op": pair(op, full),
-                                            "aten": None if twin is None else pair(twin, args)}
+                                            "aten": None if kernel is None else pair(kernel, args)}
     return {**plain, **pairs}
 
 

@@ -21,7 +21,8 @@ _INDEX_RANGE = {torch.int16: 1 << 15, torch.int8: 128, torch.uint8: 256, torch.b
 def _lookup_example(m, n, dtype, device, gen):
     weight = torch.randn(m, n, generator=gen).to(dtype).to(device)
     idx = torch.randint(0, m, (m,), generator=gen).to(device)
-    return Example((weight, idx, -1, False), (1,), lambda w, i, p, s: (F.embedding(i, w),))
+    return Example((weight, idx, -1, False), (1,), lambda w, i, p, s: (F.embedding(i, w),),
+                   kernel=lambda w, i, p, s: aten.embedding(w, i, p, s))
 
 
 def _backward_example(m, n, dtype, device, gen):
@@ -30,7 +31,8 @@ def _backward_example(m, n, dtype, device, gen):
     grad = torch.randn(m, n, generator=gen).to(dtype).to(device)
     idx = torch.randint(0, vocab, (m,), generator=gen).to(device)
     return Example((grad, idx, vocab, 1, False), (m,),
-                   lambda grad, idx, v, p, s: (aten.embedding_dense_backward(grad, idx, v, p, s),))
+                   lambda grad, idx, v, p, s: (aten.embedding_dense_backward(grad, idx, v, p, s),),
+                   kernel=aten.embedding_dense_backward)
 
 
 def _golden_inputs(shape, dtype, draw, opts):

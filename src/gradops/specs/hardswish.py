@@ -16,10 +16,11 @@ def _example(op):
     def example(m, n, dtype, device, gen):
         x = (torch.rand(m, n, generator=gen) * 12 - 6).to(dtype).to(device)
         if op == "hardswish":
-            return Example((x,), (1,), lambda x: (F.hardswish(x),))
+            return Example((x,), (1,), lambda x: (F.hardswish(x),), kernel=aten.hardswish)
         g = (torch.randn(m, n, generator=gen)).to(dtype).to(device)
         # PyTorch >= 2.8 uses the open interval at +-3 (CANN: closed): compare it off those two points only.
-        return Example((g, x), (1,), lambda g, x: (aten.hardswish_backward(g, x),), twin_mask=x.abs() != 3)
+        return Example((g, x), (1,), lambda g, x: (aten.hardswish_backward(g, x),), twin_mask=x.abs() != 3,
+                       kernel=aten.hardswish_backward)
     return example
 
 

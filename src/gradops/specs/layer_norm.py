@@ -26,11 +26,14 @@ def _example(op):
         def grads(*_):
             return autograd(lambda x, g, b: F.layer_norm(x, (n,), g, b, EPS), (x, g, b), dy)
         if op == "layer_norm":
-            return Example((x, g, b, EPS), (n, n, n), lambda x, g, b, e: (F.layer_norm(x, (n,), g, b, e), mean, var))
+            return Example((x, g, b, EPS), (n, n, n), lambda x, g, b, e: (F.layer_norm(x, (n,), g, b, e), mean, var),
+                           kernel=lambda x, g, b, e: torch.native_layer_norm(x, [n], g, b, e))
         if op == "layer_norm_grad":
             return Example((dy, x, var, mean, g, EPS), (n, 1), lambda *a: (grads()[0], res))
         if op == "layer_norm_backward":
-            return Example((dy, x, mean, torch.rsqrt(var + EPS), g), (n, m, m), grads)
+            return Example((dy, x, mean, torch.rsqrt(var + EPS), g), (n, m, m), grads,
+                           kernel=lambda dy, x, mean, rstd, g: aten.native_layer_norm_backward(
+                               dy, x, [n], mean[:, None], rstd[:, None], g, b, [True, True, True]))
         return Example((res, dy), (m, m), lambda res, dy: ((dy * res).sum(0), dy.sum(0)))
     return example
 

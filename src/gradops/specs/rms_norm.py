@@ -20,7 +20,8 @@ def _rstd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
 def _rms_norm_example(m, n, dtype, device, gen):
     x, gamma = (torch.randn(m, n, generator=gen).to(dtype).to(device), torch.randn(n, generator=gen).to(dtype)
                 .to(device))
-    return Example((x, gamma, EPS), (n, n), lambda x, g, e: (F.rms_norm(x, (n,), g, e), _rstd(x, e)))
+    return Example((x, gamma, EPS), (n, n), lambda x, g, e: (F.rms_norm(x, (n,), g, e), _rstd(x, e)),
+                   kernel=lambda x, g, e: torch.rms_norm(x, [n], g, e))
 
 
 def _rms_norm_grad_example(m, n, dtype, device, gen):
