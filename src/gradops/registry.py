@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from . import specs
-from .spec import OpSpec
+from .spec import Bench, OpSpec
 
 #: Every declared op: each family module that :mod:`gradops.specs` lists declares its ``SPECS``, in that order
 #: (tests/test_op_spec.py: every module there is listed).
@@ -41,7 +41,7 @@ def spec(name: str) -> OpSpec:
     return BY_NAME[name]
 
 
-def timing(case: str):
+def timing(case: str) -> tuple[Bench, OpSpec]:
     """The :class:`gradops.spec.Bench` of ``gradops bench`` case ``case`` and the op it belongs to (the first op
     declaring it)."""
     op = next(op for op in OPS if op.bench == case)
