@@ -18,8 +18,12 @@ from .ops import (
     layer_norm_grad_beta,
     moe_token_permute,
     moe_token_permute_grad,
+    moe_token_permute_with_routing_map,
+    moe_token_permute_with_routing_map_grad,
     moe_token_unpermute,
     moe_token_unpermute_grad,
+    moe_token_unpermute_with_routing_map,
+    moe_token_unpermute_with_routing_map_grad,
     rms_norm,
     rms_norm_grad,
 )
@@ -68,6 +72,7 @@ def empty_cache() -> int:
 __all__ = [
     "OpError", "embedding", "embedding_dense_backward", "empty_cache", "hardswish", "hardswish_backward",
     "layer_norm", "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute",
-    "moe_token_permute_grad", "moe_token_unpermute", "moe_token_unpermute_grad", "patch", "rms_norm",
-    "rms_norm_grad", "synchronize",
+    "moe_token_permute_grad", "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad",
+    "moe_token_unpermute", "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map",
+    "moe_token_unpermute_with_routing_map_grad", "patch", "rms_norm", "rms_norm_grad", "synchronize",
 ]

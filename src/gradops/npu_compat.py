@@ -22,10 +22,12 @@ from torch import Tensor
 
 from . import ops
 from .contract._common import FLOATS, dtypes_text
-from .status import ACLNN_ERR_PARAM_INVALID, OpError
+from .status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, OpError
 
-__all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
-           "npu_moe_token_unpermute_grad", "npu_rms_norm", "npu_rms_norm_backward"]
+__all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
+           "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
+           "npu_moe_token_unpermute_grad_v2", "npu_moe_token_unpermute_with_routing_map", "npu_rms_norm",
+           "npu_rms_norm_backward"]
 
 
 def _no_padded_mode(op: str, padded_mode: bool) -> None:
@@ -129,3 +131,98 @@ def npu_moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted_tokens
                  grad_unpermuted=grad_unpermuted_tokens)
     return ops.moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs, padded_mode,
                                         restore_shape)
+
+
+def npu_moe_token_permute_grad_v2(grad_permuted_tokens: Tensor, sorted_indices: Tensor, tokens_size_0: int,
+                                  tokens_dtype: torch.dtype, num_topK: int, padded_mode: bool = False) -> Tensor:
+    """``npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype, num_topK,
+    padded_mode=False) -> Tensor``: the gradient function torch_npu's autograd of :func:`npu_moe_token_permute`
+    calls (aclnnMoeTokenPermuteGrad), given the forward's token count and dtype instead of its tensors.
+
+    Returns (tokens_size_0, H) in tokens_dtype: ``out[t] = sum_k grad[sorted_indices[t*K + k]]`` summed in fp32
+    (rows past grad's dropped ones add nothing), rounded once to the gradient's dtype and then, where tokens_dtype
+    differs, converted.
+    """
+    op = "npu_moe_token_permute_grad_v2"
+    _no_padded_mode(op, padded_mode)
+    _cann_floats("moe_token_permute_grad", (sorted_indices,), permuted_output_grad=grad_permuted_tokens)
+    if not isinstance(tokens_dtype, torch.dtype):
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "tokens_dtype", "a torch.dtype", type(tokens_dtype).__name__)
+    out = ops.moe_token_permute_grad(grad_permuted_tokens, sorted_indices, num_topK, padded_mode)
+    if out.shape[0] != tokens_size_0:
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "tokens_size_0",
+                      f"sorted_indices.numel() / num_topK = {out.shape[0]}", str(tokens_size_0))
+    return out if out.dtype == tokens_dtype else out.to(tokens_dtype)
+
+
+def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens: Tensor, sorted_indices: Tensor,
+                                    permuted_tokens_size_0: int, permuted_tokens_dtype: torch.dtype,
+                                    probs: Tensor | None = None, padded_mode: bool = False,
+                                    restore_shape: Sequence[int] | None = None,
+                                    permuted_tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+    permuted_tokens_dtype, probs=None, padded_mode=False, restore_shape=None, permuted_tokens=None)
+    -> (grad_permuted_tokens, grad_probs)``: aclnnMoeTokenUnpermuteGrad as torch_npu's autograd of
+    :func:`npu_moe_token_unpermute` calls it, given the permuted tokens' row count and dtype (their values are
+    needed only with probs, for the probs' gradient).
+
+    Returns ``(grad_permuted (permuted_tokens_size_0, H) in permuted_tokens_dtype, grad_probs)``; without probs
+    the second is an empty tensor (torch_npu returns an unspecified placeholder there).
+    """
+    op = "npu_moe_token_unpermute_grad_v2"
+    _no_padded_mode(op, padded_mode)
+    if not isinstance(permuted_tokens_dtype, torch.dtype):
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "permuted_tokens_dtype", "a torch.dtype",
+                      type(permuted_tokens_dtype).__name__)
+    if isinstance(permuted_tokens_size_0, bool) or not isinstance(permuted_tokens_size_0, int) \
+            or permuted_tokens_size_0 < 0:
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "permuted_tokens_size_0", "an int >= 0",
+                      repr(permuted_tokens_size_0))
+    if permuted_tokens is None:
+        if probs is not None:
+            raise OpError(ACLNN_ERR_PARAM_NULLPTR, op, "permuted_tokens",
+                          "a tensor (the probs' gradient reads it)", "None")
+        if not isinstance(grad_unpermuted_tokens, Tensor):  # let the op name the missing gradient
+            permuted_tokens = grad_unpermuted_tokens
+        else:  # read for its shape and dtype only: an uninitialised stand-in, never touched
+            permuted_tokens = torch.empty((permuted_tokens_size_0, grad_unpermuted_tokens.shape[-1]),
+                                          dtype=permuted_tokens_dtype, device=grad_unpermuted_tokens.device)
+    elif isinstance(permuted_tokens, Tensor) and (permuted_tokens.dim() != 2 or
+                                                  permuted_tokens.shape[0] != permuted_tokens_size_0 or
+                                                  permuted_tokens.dtype != permuted_tokens_dtype):
+        raise OpError(ACLNN_ERR_PARAM_INVALID, op, "permuted_tokens",
+                      f"({permuted_tokens_size_0}, H) of {permuted_tokens_dtype} (permuted_tokens_size_0, "
+                      "permuted_tokens_dtype)", f"{tuple(permuted_tokens.shape)} of {permuted_tokens.dtype}")
+    _cann_floats("moe_token_unpermute_grad", (sorted_indices,), permuted_tokens=permuted_tokens, probs=probs,
+                 grad_unpermuted=grad_unpermuted_tokens)
+    return ops.moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs, padded_mode,
+                                        restore_shape)
+
+
+def npu_moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, *, probs: Tensor | None = None,
+                                           num_out_tokens: int | None = None, drop_and_pad: bool = False
+                                           ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``torch_npu.npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None, num_out_tokens=None,
+    drop_and_pad=False) -> (permuted_tokens, permuted_probs, sorted_indices)``; aclnnMoeTokenPermuteWithRoutingMap.
+
+    permuted_probs is None without probs (torch_npu's undefined tensor). Differentiable w.r.t. tokens and probs
+    (aclnnMoeTokenPermuteWithRoutingMapGrad). See :func:`gradops.moe_token_permute_with_routing_map`.
+    """
+    _cann_floats("moe_token_permute_with_routing_map", (routing_map,), tokens=tokens, probs=probs)
+    return ops.moe_token_permute_with_routing_map(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+
+
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor,
+                                             restore_shape: Sequence[int], *, probs: Tensor | None = None,
+                                             routing_map: Tensor | None = None, drop_and_pad: bool = False
+                                             ) -> Tensor:
+    """``torch_npu.npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+    probs=None, routing_map=None, drop_and_pad=False) -> Tensor``; aclnnMoeTokenUnpermuteWithRoutingMap.
+
+    Differentiable w.r.t. permuted_tokens and probs (aclnnMoeTokenUnpermuteWithRoutingMapGrad). See
+    :func:`gradops.moe_token_unpermute_with_routing_map`.
+    """
+    _cann_floats("moe_token_unpermute_with_routing_map", (sorted_indices,), permuted_tokens=permuted_tokens,
+                 probs=probs)
+    return ops.moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                                    routing_map, drop_and_pad)
