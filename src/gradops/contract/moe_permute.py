@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from ._common import (
@@ -188,12 +189,13 @@ def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: boo
         require_rank(op, "probs", probs, 2, 2)
         k = probs.shape[1]
         if not 1 <= k <= MAX_TOPK or probs.shape[0] * k != total:
-            raise fail(INVALID, op, "probs",
+            # CANN finds this mismatch while tiling (ops-transformer's InputParamCheck): 561002 on the aclnn surface.
+            raise fail(TILING if cann else INVALID, op, "probs",
                        f"of shape (T, K) with T*K = sorted_indices.numel() = {total} and K in [1, {MAX_TOPK}]",
                        f"shape {shape_text(probs.shape)}")
     rows, h = permuted_tokens.shape
     if rows > total:
-        raise fail(INVALID, op, "permuted_tokens.shape",
+        raise fail(TILING if cann else INVALID, op, "permuted_tokens.shape",
                    f"at most T*K = sorted_indices.numel() = {total} rows (fewer when tokens were dropped)",
                    shape_text(permuted_tokens.shape))
     return MoePlan(total // k, k, h, rows)
