@@ -100,3 +100,14 @@ def test_layer_norm_grad_beta_example():
         tol = (eps16 / 2 + (n + 1) * 2.0 ** -24) * t.abs().sum(0) + eps16 / 2 * ref.abs() + PRINTED
         got = torch.tensor(values[label], dtype=torch.float64)
         assert got.shape == ref.shape and bool(((got - ref).abs() <= tol).all()), label
+
+
+def test_the_mindspeed_moe_example_trains_like_its_twin():
+    """examples/mindspeed_moe_layer.py: torch_npu's routing-map names on gradops, drop_and_pad off and on, against
+    Megatron's unfused index ops; it exits 1 when losses or weights drift past float32 rounding."""
+    script = EXAMPLES.parent / "mindspeed_moe_layer.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "4"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in ("False", "True"):
+        assert f"drop_and_pad={mode}: largest relative difference" in proc.stdout
