@@ -182,6 +182,114 @@ def _moe_token_unpermute_grad(permuted, grad, sorted_indices, probs=None, padded
     return (d_permuted.to(permuted.device), d_probs.to(permuted.device)), (1, permuted.shape[1])
 
 
+# ---------------------------------------------------------------- routing-map MoE (docs/semantics.md §5b)
+def _routing_rows(routing_map, num_out_tokens, drop_and_pad):
+    """From the map alone, by loops: per permuted row its (token, expert), the per-token slot rows (non-drop: each
+    token's routed experts ascending, -1 padded to K; drop: each expert's first C of its routed tokens, then of
+    the others, ascending), K or C, and the number of output rows."""
+    mask = (routing_map != 0).cpu().tolist()
+    t = len(mask)
+    e = routing_map.shape[1]
+    n = t if num_out_tokens is None else num_out_tokens
+    if drop_and_pad:
+        c = n // e
+        rows = []
+        for ex in range(e):
+            chosen = [tok for tok in range(t) if mask[tok][ex]] + [tok for tok in range(t) if not mask[tok][ex]]
+            rows += [(tok, ex) for tok in chosen[:c]]
+        return rows, None, c, c * e
+    k = n // t if t else 0
+    rows = [(tok, ex) for ex in range(e) for tok in range(t) if mask[tok][ex]]
+    where = {pair: i for i, pair in enumerate(rows)}
+    slots = [[where[(tok, ex)] for ex in range(e) if mask[tok][ex]] for tok in range(t)]
+    slots = [row + [-1] * (k - len(row)) for row in slots]
+    return rows, slots, k, k * t
+
+
+def _moe_token_permute_with_routing_map(tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False):
+    rows, slots, _, out_rows = _routing_rows(routing_map, num_out_tokens, drop_and_pad)
+    dev = tokens.device
+    permuted = torch.zeros(out_rows, tokens.shape[1], dtype=F64, device=dev)
+    pp = torch.zeros(0 if probs is None else out_rows, dtype=F64, device=dev)  # without probs: the placeholder
+    for r, (tok, ex) in enumerate(rows):
+        permuted[r] = tokens[tok].to(F64)
+        if probs is not None:
+            pp[r] = float(probs[tok, ex])
+    si = [tok for tok, _ in rows] if drop_and_pad else [r for row in slots for r in row]
+    return (permuted, pp, torch.tensor(si, dtype=torch.int64, device=dev)), (1, 1, 0)
+
+
+def _slot_pairs(sorted_indices, routing_map, num_experts, num_tokens, rows, drop_and_pad):
+    """Each (token, expert or None, row) the sorted indices name: with drop_and_pad row r holds token s[r] of
+    expert r // C; without, slot k of token t names row s[t*K + k] (-1: none) of the token's k-th routed expert."""
+    s = sorted_indices.long().cpu().tolist()
+    if drop_and_pad:
+        c = rows // num_experts if num_experts else 0
+        return [(tok, r // c if c else None, r) for r, tok in enumerate(s)], 1
+    k = len(s) // num_tokens if num_tokens else 0
+    mask = None if routing_map is None else (routing_map != 0).cpu().tolist()
+    out = []
+    for tok in range(num_tokens):
+        experts = [ex for ex in range(num_experts) if mask[tok][ex]] if mask is not None else []
+        for j in range(k):
+            if s[tok * k + j] >= 0:
+                out.append((tok, experts[j] if j < len(experts) else None, s[tok * k + j]))
+    return out, k
+
+
+def _moe_token_permute_with_routing_map_grad(grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens,
+                                             drop_and_pad=False):
+    rows, h = grad.shape
+    pairs, _ = _slot_pairs(sorted_indices, routing_map, num_experts, num_tokens, rows, drop_and_pad)
+    G = grad.to(F64).cpu()
+    dtokens = torch.zeros(num_tokens, h, dtype=F64)
+    dprobs = None if grad_probs is None else torch.zeros(num_tokens, num_experts, dtype=F64)
+    most = 0
+    for tok, ex, r in pairs:
+        dtokens[tok] += G[r]
+        if dprobs is not None and ex is not None:
+            dprobs[tok, ex] = float(grad_probs[r])
+    for tok in range(num_tokens):
+        most = max(most, sum(1 for p in pairs if p[0] == tok))
+    dev = grad.device
+    return (dtokens.to(dev), torch.zeros(0, dtype=F64, device=dev) if dprobs is None else dprobs.to(dev)), \
+        (max(most, 1), 1)
+
+
+def _moe_token_unpermute_with_routing_map(permuted, sorted_indices, restore_shape, probs=None, routing_map=None,
+                                          drop_and_pad=False):
+    t, h = restore_shape
+    known = probs if probs is not None else routing_map
+    experts = known.shape[1] if known is not None else 0
+    pairs, _ = _slot_pairs(sorted_indices, routing_map, experts, t, permuted.shape[0], drop_and_pad)
+    X = permuted.to(F64).cpu()
+    out = torch.zeros(t, h, dtype=F64)
+    counts = [0] * t
+    for tok, ex, r in pairs:
+        w = 1.0 if probs is None else float(probs[tok, ex])
+        out[tok] += w * X[r]
+        counts[tok] += 1
+    return (out.to(permuted.device),), (max([1, *counts]),)
+
+
+def _moe_token_unpermute_with_routing_map_grad(permuted, grad, sorted_indices, probs=None, routing_map=None,
+                                               drop_and_pad=False):
+    rows, h = permuted.shape
+    t = grad.shape[0]
+    experts = probs.shape[1] if probs is not None else (routing_map.shape[1] if routing_map is not None else 0)
+    pairs, _ = _slot_pairs(sorted_indices, routing_map, experts, t, rows, drop_and_pad)
+    X, G = permuted.to(F64).cpu(), grad.to(F64).cpu()
+    dpermuted = torch.zeros(rows, h, dtype=F64)
+    dprobs = None if probs is None else torch.zeros(t, experts, dtype=F64)
+    for tok, ex, r in pairs:
+        w = 1.0 if probs is None else float(probs[tok, ex])
+        dpermuted[r] = w * G[tok]
+        if dprobs is not None:
+            dprobs[tok, ex] = float((G[tok] * X[r]).sum())
+    dev = permuted.device
+    return (dpermuted.to(dev), torch.zeros(0, dtype=F64, device=dev) if dprobs is None else dprobs.to(dev)), (1, h)
+
+
 _ORACLES = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
@@ -189,6 +297,10 @@ _ORACLES = {
     "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
     "moe_token_permute_grad": _moe_token_permute_grad, "moe_token_unpermute": _moe_token_unpermute,
     "moe_token_unpermute_grad": _moe_token_unpermute_grad,
+    "moe_token_permute_with_routing_map": _moe_token_permute_with_routing_map,
+    "moe_token_permute_with_routing_map_grad": _moe_token_permute_with_routing_map_grad,
+    "moe_token_unpermute_with_routing_map": _moe_token_unpermute_with_routing_map,
+    "moe_token_unpermute_with_routing_map_grad": _moe_token_unpermute_with_routing_map_grad,
 }
 
 

@@ -362,6 +362,110 @@ def _moe_token_unpermute_grad(r, dtypes):
                  (permuted, torch.tensor([[1.0], [2.0]], device=r.device), idx, probs))
 
 
+# ---------------------------------------------------------------- routing-map MoE (docs/semantics.md §5b)
+def _routing(r, t, e, k, dtype, probs_dtype=None, fewer=True, nowhere=True, map_dtype=torch.bool):
+    """A (t, e) top-k routing map with probs: every 5th token routed to one expert fewer (-1 slots), token 1
+    routed nowhere, the last expert empty (when e > k); int8 maps hold nonzero values other than 1."""
+    scores = r.uniform(t, e, lo=0.0, hi=1.0).cpu()
+    if e > k:
+        scores[:, -1] = -1.0
+    chosen = scores.topk(min(k, e), dim=1).indices
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, chosen, True)
+    if fewer and k > 1:
+        rows = torch.arange(0, t, 5)
+        routing_map[rows, chosen[rows, -1]] = False
+    if nowhere and t > 1:
+        routing_map[1] = False
+    probs = torch.where(routing_map, scores, 0.0).to(probs_dtype or dtype)
+    if map_dtype == torch.int8:
+        routing_map = routing_map.to(torch.int8) * torch.tensor([3, -1, 1, 7], dtype=torch.int8).repeat(e)[:e]
+    return routing_map.to(r.device), probs.to(r.device)
+
+
+def _routing_permute_cases(r, dtypes):
+    """(name, purpose, (tokens, routing_map, probs), num_out_tokens, drop_and_pad) of the permute's cases."""
+    for d in FLOATS:
+        if not _wanted(d, dtypes):
+            continue
+        tag = str(d).removeprefix("torch.")
+        rm, probs = _routing(r, 12, 6, 2, d)
+        yield f"topk2-{tag}", "dtype; fewer than K experts (-1 slots), a token routed nowhere, an empty expert", \
+            (r.normal(12, 10, dtype=d), rm, probs), 24, False
+        rm, probs = _routing(r, 12, 6, 2, d, probs_dtype=torch.float32 if d != torch.float32 else None)
+        yield f"drop-{tag}", "drop_and_pad: C = 3 of a busier and an idler expert (drops and pads); fp32 probs", \
+            (r.normal(12, 10, dtype=d), rm, probs), 18, True
+    if not _wanted(torch.float32, dtypes):
+        return
+    f = torch.float32
+    rm, probs = _routing(r, 10, 4, 2, f)
+    yield "no-probs", "probs None: no permuted probs", (r.normal(10, 6), rm, None), 20, False
+    yield "drop-no-probs", "drop_and_pad without probs", (r.normal(10, 6), rm, None), 8, True
+    rm, probs = _routing(r, 9, 5, 2, f, map_dtype=torch.int8)
+    yield "int8-map", "an int8 routing map (nonzero is routed)", (r.normal(9, 4), rm, probs), 18, False
+    rm, probs = _routing(r, 8, 4, 1, f, fewer=False)
+    yield "k-default", "num_out_tokens None: K = T // T = 1", (r.normal(8, 5), rm, probs), None, False
+    rm, probs = _routing(r, 8, 6, 2, f)
+    yield "k-above-routed", "K = 3 while tokens route to at most 2: a third -1 slot each", \
+        (r.normal(8, 5), rm, probs), 24, False
+    yield "capacity-one", "drop_and_pad with C = 1: most pairs dropped", (r.normal(8, 5), rm, probs), 6, True
+    yield "capacity-all", "drop_and_pad with C = T: every expert padded to all tokens", (r.normal(8, 5), rm, probs), \
+        48, True
+    rm, probs = _routing(r, 40, 64, 8, f)
+    yield "wide", "E = 64, K = 8", (r.normal(40, 33), rm, probs), 320, False
+    yield "empty", "T = 0", (r.normal(0, 5), torch.zeros(0, 4, dtype=torch.bool, device=r.device),
+                              torch.zeros(0, 4, device=r.device)), None, False
+    rm, probs = _routing(r, 10, 4, 2, f)
+    yield "noncontig", "non-contiguous tokens and probs", (_transposed(r.normal(10, 7)), rm,
+                                                           _transposed(probs.contiguous())), 20, False
+
+
+def _moe_token_permute_with_routing_map(r, dtypes):
+    for name, purpose, (tokens, rm, probs), n, drop in _routing_permute_cases(r, dtypes):
+        yield Sample(name, purpose, (tokens, rm, probs, n, drop))
+
+
+def _permuted_inputs(tokens, rm, probs, n, drop):
+    from gradops import reference  # the inputs of the backward ops: a real permute's outputs
+
+    return reference.moe_token_permute_with_routing_map(tokens, rm, probs, n, drop)
+
+
+def _moe_token_permute_with_routing_map_grad(r, dtypes):
+    for name, purpose, (tokens, rm, probs), n, drop in _routing_permute_cases(r, dtypes):
+        permuted, permuted_probs, si = _permuted_inputs(tokens.contiguous(), rm, probs, n, drop)
+        grad = r.normal(*permuted.shape, dtype=tokens.dtype)
+        grad_probs = None if probs is None else r.normal(permuted_probs.numel(), dtype=probs.dtype)
+        yield Sample(name, purpose, (grad, grad_probs, si, rm, rm.shape[1], rm.shape[0], drop))
+    if _wanted(torch.float32, dtypes):
+        rm, probs = _routing(r, 10, 4, 2, torch.float32)
+        _, _, si = _permuted_inputs(r.normal(10, 6), rm, probs, 20, False)
+        yield Sample("no-map", "the tokens' gradient alone needs no routing map", (r.normal(20, 6), None, si, None, 4,
+                                                                                  10, False))
+        yield Sample("int64-indices", "int64 sorted_indices", (r.normal(20, 6), r.normal(20), si.long(), rm, 4, 10,
+                                                               False))
+
+
+def _moe_token_unpermute_with_routing_map(r, dtypes):
+    for name, purpose, (tokens, rm, probs), n, drop in _routing_permute_cases(r, dtypes):
+        permuted, _, si = _permuted_inputs(tokens.contiguous(), rm, probs, n, drop)
+        rows = r.normal(*permuted.shape, dtype=tokens.dtype)
+        yield Sample(name, purpose, (rows, si, list(tokens.shape), probs, rm if probs is not None else None, drop))
+    if _wanted(torch.float32, dtypes):
+        rm, probs = _routing(r, 10, 4, 2, torch.float32)
+        _, _, si = _permuted_inputs(r.normal(10, 6), rm, probs, 8, True)
+        yield Sample("drop-probs-no-map", "drop_and_pad: the weights come from probs alone", (r.normal(8, 6), si,
+                                                                                             [10, 6], probs, None,
+                                                                                             True))
+
+
+def _moe_token_unpermute_with_routing_map_grad(r, dtypes):
+    for name, purpose, (tokens, rm, probs), n, drop in _routing_permute_cases(r, dtypes):
+        permuted, _, si = _permuted_inputs(tokens.contiguous(), rm, probs, n, drop)
+        rows = r.normal(*permuted.shape, dtype=tokens.dtype)
+        grad = r.normal(*tokens.shape, dtype=tokens.dtype)
+        yield Sample(name, purpose, (rows, grad, si, probs, rm if probs is not None else None, drop))
+
+
 _GENERATORS = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
@@ -369,6 +473,10 @@ _GENERATORS = {
     "embedding_dense_backward": _embedding_dense_backward, "moe_token_permute": _moe_token_permute,
     "moe_token_permute_grad": _moe_token_permute_grad, "moe_token_unpermute": _moe_token_unpermute,
     "moe_token_unpermute_grad": _moe_token_unpermute_grad,
+    "moe_token_permute_with_routing_map": _moe_token_permute_with_routing_map,
+    "moe_token_permute_with_routing_map_grad": _moe_token_permute_with_routing_map_grad,
+    "moe_token_unpermute_with_routing_map": _moe_token_unpermute_with_routing_map,
+    "moe_token_unpermute_with_routing_map_grad": _moe_token_unpermute_with_routing_map_grad,
 }
 OPS = tuple(_GENERATORS)
 

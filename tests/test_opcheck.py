@@ -31,6 +31,10 @@ EDGES = {
     "moe_token_permute_grad": ("dropped-rows", "convention", "int64-indices"),
     "moe_token_unpermute": ("no-probs-float32", "dropped-rows", "int64-indices", "noncontig"),
     "moe_token_unpermute_grad": ("no-probs-float32", "dropped-rows", "float32-probs-bfloat16"),
+    "moe_token_permute_with_routing_map": ("drop-float32", "no-probs", "int8-map"),
+    "moe_token_permute_with_routing_map_grad": ("drop-float32", "no-probs", "no-map"),
+    "moe_token_unpermute_with_routing_map": ("drop-float32", "no-probs", "drop-probs-no-map"),
+    "moe_token_unpermute_with_routing_map_grad": ("drop-float32", "no-probs"),
 }
 #: Forward ops: their float inputs require grad so that opcheck also runs the registered backward.
 FORWARDS = {op.name for op in REGISTERED if not op.backward}

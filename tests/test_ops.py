@@ -15,6 +15,8 @@ from samples import OPS, samples
 CASES = [pytest.param(op, s, id=f"{op}-{s.name}") for op in OPS for s in samples(op)]
 
 F32 = torch.float32
+
+
 #: Documented output dtypes, from the inputs.
 OUTPUT_DTYPES = {
     "rms_norm": lambda x, *_: (x.dtype, F32),
@@ -32,6 +34,15 @@ OUTPUT_DTYPES = {
     # Without probs the second output is torch_npu's empty placeholder, in the tokens' dtype.
     "moe_token_unpermute_grad": lambda permuted, grad, idx, probs=None: (permuted.dtype, (probs if probs is not None
                                                                                           else permuted).dtype),
+    # The routing-map ops: without probs, the same empty placeholder in the first input's dtype.
+    "moe_token_permute_with_routing_map": lambda tokens, rm, probs, *_: (tokens.dtype, (probs if probs is not None
+                                                                                        else tokens).dtype,
+                                                                         torch.int32),
+    "moe_token_permute_with_routing_map_grad": lambda grad, gp, *_: (grad.dtype, (gp if gp is not None
+                                                                                  else grad).dtype),
+    "moe_token_unpermute_with_routing_map": lambda permuted, *_: (permuted.dtype,),
+    "moe_token_unpermute_with_routing_map_grad": lambda permuted, grad, idx, probs, *_: (
+        permuted.dtype, (probs if probs is not None else permuted).dtype),
 }
 
 

@@ -183,13 +183,14 @@ def run(args: argparse.Namespace) -> int:
             print(status, file=sys.stderr, flush=True)
         rows.append(check_one(op, dt, device, name, args.rows, args.cols, seed + i))
     print(("\r" if live else "") + f"  done in {time.perf_counter() - start:.1f} s" + " " * 60, file=sys.stderr)
-    header = (f"{'op':<26} {'dtype':<5} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} "
+    width = max(26, *(len(r.op) for r in rows))  # the op column: the longest name checked
+    header = (f"{'op':<{width}} {'dtype':<5} {'device':<6} {'backend':<12} {'max rel err':>11} {'torch err':>11} "
               f"{'bound':>9}  result")
     print(header)
     print("-" * len(header))
     for r in rows:
         te = f"{r.torch_error:11.2e}" if r.torch_error is not None else f"{'-':>11}"
-        print(f"{r.op:<26} {r.dtype:<5} {r.device:<6} {r.backend:<12} {r.error:11.2e} {te} {r.bound:9.2e}  "
+        print(f"{r.op:<{width}} {r.dtype:<5} {r.device:<6} {r.backend:<12} {r.error:11.2e} {te} {r.bound:9.2e}  "
               f"{'pass' if r.ok else 'FAIL'}")
     failed = sum(not r.ok for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")

@@ -209,7 +209,9 @@ def npu_moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, 
     (aclnnMoeTokenPermuteWithRoutingMapGrad). See :func:`gradops.moe_token_permute_with_routing_map`.
     """
     _cann_floats("moe_token_permute_with_routing_map", (routing_map,), tokens=tokens, probs=probs)
-    return ops.moe_token_permute_with_routing_map(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+    permuted, permuted_probs, sorted_indices = ops.moe_token_permute_with_routing_map(tokens, routing_map, probs,
+                                                                                      num_out_tokens, drop_and_pad)
+    return permuted, None if probs is None else permuted_probs, sorted_indices
 
 
 def npu_moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor,

@@ -26,6 +26,7 @@ from .. import backend, registry
 from ..contract import moe_routing as contract
 from ..contract._common import fail, require_present, require_same_device, shape_text
 from ..ops import moe_routing as ops
+from ..reference import moe_routing as routing
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import ACLNN_ERR_PARAM_NULLPTR as NULLPTR
@@ -86,9 +87,12 @@ def aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize(tokens: Tensor, routingMa
     except OpError as e:
         return refused(e)
 
-    def compute(impl, kw):
-        permuted, permuted_probs, sorted_indices = impl(tokens, routingMap, probsOptional, numOutTokens, dropAndPad)
-        return (permuted, sorted_indices) if permuted_probs is None else (permuted, permuted_probs, sorted_indices)
+    def compute(impl, kw):  # the outs (kw["out"], in the outs' order) hold no probs without probs: a placeholder
+        if probsOptional is None and "out" in kw:
+            kw = {**kw, "out": (kw["out"][0], tokens.new_empty(0), kw["out"][1])}
+        permuted, permuted_probs, sorted_indices = impl(tokens, routingMap, probsOptional, numOutTokens, dropAndPad,
+                                                        **kw)
+        return (permuted, sorted_indices) if probsOptional is None else (permuted, permuted_probs, sorted_indices)
 
     inputs = {"tokens": tokens, "routingMap": routingMap}
     if probsOptional is not None:
@@ -135,8 +139,11 @@ def aclnnMoeTokenPermuteWithRoutingMapGradGetWorkspaceSize(permutedTokenOutputGr
         return refused(e)
 
     def compute(impl, kw):
-        dtokens, dprobs = impl(grad, grad_probs, sortedIndices, routingMapOptional, numExperts, tokensNum, dropAndPad)
-        return (dtokens,) if dprobs is None else (dtokens, dprobs)
+        if grad_probs is None and "out" in kw:  # one out: the second result is the empty placeholder
+            kw = {**kw, "out": (kw["out"], grad.new_empty(0))}
+        dtokens, dprobs = impl(grad, grad_probs, sortedIndices, routingMapOptional, numExperts, tokensNum, dropAndPad,
+                               **kw)
+        return (dtokens,) if grad_probs is None else (dtokens, dprobs)
 
     inputs = {name: t for name, t in (("permutedTokenOutputGrad", grad),
                                       ("permutedProbsOutputGradOptional", grad_probs), ("sortedIndices", sortedIndices),
@@ -201,17 +208,21 @@ def aclnnMoeTokenUnpermuteWithRoutingMapGetWorkspaceSize(permutedTokens: Tensor,
     except OpError as e:
         return refused(e)
 
-    def compute(impl, kw):
-        results = {"unpermutedTokens": impl(permutedTokens, sortedIndices, restore, probsOptional, routingMapOptional,
-                                            paddedMode)}
+    def compute(impl, kw):  # the auxiliary outputs are copied in (prepare writes what it does not get as a view)
+        unpermuted = impl(permutedTokens, sortedIndices, restore, probsOptional, routingMapOptional, paddedMode)
+        results = {"unpermutedTokens": unpermuted}
         if paddedMode:
             token_id, index = torch.sort(sortedIndices, stable=True)
             results["outIndex"], results["permuteTokenId"] = index.int(), token_id.int()
         else:
             results["outIndex"] = results["permuteTokenId"] = sortedIndices
         if probsOptional is not None:
-            results["permuteProbs"] = ops.slot_probs(sortedIndices, probsOptional, routingMapOptional, paddedMode)
-        return tuple(results[name] for name in outs)
+            results["permuteProbs"] = routing.slot_probs(sortedIndices, probsOptional, routingMapOptional, paddedMode)
+        values = tuple(results[name] for name in outs)
+        views = kw.get("out")  # the outs' views where the executor hands them over: written here
+        for view, value in zip(views if isinstance(views, tuple) else (views,) if views is not None else (), values):
+            view.copy_(value.reshape(view.shape))
+        return values
 
     inputs = {name: t for name, t in (("permutedTokens", permutedTokens), ("sortedIndices", sortedIndices),
                                       ("routingMapOptional", routingMapOptional), ("probsOptional", probsOptional))
@@ -290,8 +301,10 @@ def aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize(unpermutedTokensGra
 
     def compute(impl, kw):
         sorted_indices = _sorted_from(outIndex, permuteTokenId) if dropAndPad else outIndex
-        dpermuted, dprobs = impl(permuted, grad, sorted_indices, probs, routingMapOptional, dropAndPad)
-        return (dpermuted,) if dprobs is None else (dpermuted, dprobs)
+        if probs is None and "out" in kw:  # one out: the second result is the empty placeholder
+            kw = {**kw, "out": (kw["out"], grad.new_empty(0, dtype=permuted.dtype))}
+        dpermuted, dprobs = impl(permuted, grad, sorted_indices, probs, routingMapOptional, dropAndPad, **kw)
+        return (dpermuted,) if probs is None else (dpermuted, dprobs)
 
     inputs = {name: t for name, t in (("unpermutedTokensGrad", grad), ("outIndex", outIndex),
                                       ("permuteTokenId", permuteTokenId), ("routingMapOptional", routingMapOptional),

@@ -38,10 +38,14 @@ from .moe_permute import (  # noqa: E402
     moe_token_permute_grad,
     moe_token_permute_grad_shaped,
     moe_token_permute_shaped,
+    moe_token_permute_with_routing_map,
+    moe_token_permute_with_routing_map_grad,
     moe_token_unpermute,
     moe_token_unpermute_grad,
     moe_token_unpermute_grad_shaped,
     moe_token_unpermute_shaped,
+    moe_token_unpermute_with_routing_map,
+    moe_token_unpermute_with_routing_map_grad,
 )
 from .rms_norm import (  # noqa: E402
     rms_norm,
@@ -56,7 +60,9 @@ __all__ = [
     "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward", "layer_norm_backward_shaped",
     "layer_norm_backward_workspace", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_grad_beta_shaped",
     "layer_norm_grad_beta_workspace", "layer_norm_grad_shaped", "layer_norm_shaped", "moe_token_permute",
-    "moe_token_permute_grad", "moe_token_permute_grad_shaped", "moe_token_permute_shaped", "moe_token_unpermute",
-    "moe_token_unpermute_grad", "moe_token_unpermute_grad_shaped", "moe_token_unpermute_shaped", "rms_norm",
+    "moe_token_permute_grad", "moe_token_permute_grad_shaped", "moe_token_permute_shaped",
+    "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad", "moe_token_unpermute",
+    "moe_token_unpermute_grad", "moe_token_unpermute_grad_shaped", "moe_token_unpermute_shaped",
+    "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad", "rms_norm",
     "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace", "rms_norm_shaped",
 ]

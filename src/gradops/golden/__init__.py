@@ -78,12 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--num-out-tokens", type=int, default=None)
+    parser.add_argument("--drop-and-pad", action="store_true", default=None,
+                        help="routing-map MoE ops: Megatron's capacity mode")
 
 
 def run(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("epsilon", "rstd_form", "stat_dtype", "gamma_dtype", "num_weights",
                                           "padding_idx", "scale_grad_by_freq", "index_dtype", "topk", "experts",
-                                          "num_out_tokens")}
+                                          "num_out_tokens", "drop_and_pad")}
     unused = [k for k, v in opts.items() if v is not None and k not in OPTIONS.get(args.op, ())]
     try:
         if unused:

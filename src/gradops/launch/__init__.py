@@ -27,15 +27,21 @@ from .layer_norm import (
 from .moe_permute import (
     moe_token_permute,
     moe_token_permute_grad,
+    moe_token_permute_with_routing_map,
+    moe_token_permute_with_routing_map_grad,
     moe_token_permute_workspace,
     moe_token_unpermute,
     moe_token_unpermute_grad,
+    moe_token_unpermute_with_routing_map,
+    moe_token_unpermute_with_routing_map_grad,
 )
 from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
 
 __all__ = [
     "LAUNCHES", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",
     "layer_norm", "layer_norm_backward", "layer_norm_backward_workspace", "layer_norm_grad", "layer_norm_grad_beta",
-    "layer_norm_grad_beta_workspace", "moe_token_permute", "moe_token_permute_grad", "moe_token_permute_workspace",
-    "moe_token_unpermute", "moe_token_unpermute_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_workspace",
+    "layer_norm_grad_beta_workspace", "moe_token_permute", "moe_token_permute_grad",
+    "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad", "moe_token_permute_workspace",
+    "moe_token_unpermute", "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map",
+    "moe_token_unpermute_with_routing_map_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_workspace",
 ]

@@ -181,3 +181,32 @@ def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Seque
     for o, r in zip(outs, results):
         o.copy_(r.reshape(o.shape))
     return outs
+
+
+#: One result of an op, as its declaration gives it: ``(shape, dtype, like)``, ``like`` a tensor on the result's
+#: device (the fake kernel's ``new_empty`` source).
+Result = tuple[Sequence[int], torch.dtype, Tensor]
+
+
+def fake_of(check: Callable[..., object], results: Callable[..., Sequence[Result]]) -> Callable[..., object]:
+    """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)``: the check
+    on the fake arguments, then an empty tensor per declared result."""
+    def fake(*args: object) -> object:
+        made = [like.new_empty(tuple(shape), dtype=dtype) for shape, dtype, like in results(check(*args), *args)]
+        return made[0] if len(made) == 1 else tuple(made)
+    return fake
+
+
+def into(op: str, planner: Callable[..., object], results: Callable[..., Sequence[Result]], names: Sequence[str],
+         args: tuple, out: object, differentiable: Sequence[int] = ()) -> tuple[Tensor, ...]:
+    """``out=`` from an op's results declaration: the op's plan, the outs checked against the declared results
+    (see :func:`check_out`), the plan's backend run into them (:func:`run_into`). ``names``: the op's argument
+    names (the messages name an overlapping input); ``differentiable``: the positions of a forward op's inputs
+    that autograd would record (refused under grad mode, see :func:`refuse_autograd`)."""
+    call = planner(*args)
+    if differentiable:
+        refuse_autograd(op, *(args[i] for i in differentiable))
+    expected = results(call.shape, *args)  # type: ignore[attr-defined]
+    inputs = {name: a for name, a in zip(names, args) if isinstance(a, Tensor)}
+    outs = check_out(op, out, [(shape, dtype) for shape, dtype, _ in expected], expected[0][2].device, **inputs)
+    return run_into(call.backend.fn, args, outs, [None] * len(outs))  # type: ignore[attr-defined]
