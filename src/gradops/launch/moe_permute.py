@@ -193,7 +193,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
 
 # ---------------------------------------------------------------- the routing-map ops
 # The permute family's kernels above on the slot tables of gradops.reference.moe_routing (docs/semantics.md §5b).
-_KERNELS = routing.Kernels(moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad)
+_KERNELS = routing.Kernels(moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad)
 
 
 def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, probs: Tensor | None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from torch import Tensor
 from ..contract._common import fail
 from ..contract.moe_permute import MAX_TOPK
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
+from ..status import OpError
 from . import moe_permute
 
 PERMUTE, PERMUTE_GRAD = "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad"
@@ -40,10 +41,13 @@ UNPERMUTE, UNPERMUTE_GRAD = "moe_token_unpermute_with_routing_map", "moe_token_u
 
 
 class Kernels(NamedTuple):
-    """A backend's permute-family functions, called on a completed slot table (``order``, a permutation of
-    [0, T·W) built here: ``trusted`` where the function takes it): ``permute_grad(grad, order, W, trusted=True)``,
-    ``unpermute(permuted, order, weights)``, ``unpermute_grad(permuted, grad, order, weights, trusted=True)``."""
+    """A backend's permute-family functions: ``permute(tokens, expert_ids, rows)`` (the stable sort by expert and
+    the row gather), and, on a completed slot table (``order``, a permutation of [0, T·W); ``trusted`` says whether
+    it was tested here already), ``permute_grad(grad, order, W, trusted=)``, ``unpermute(permuted, order,
+    weights)``, ``unpermute_grad(permuted, grad, order, weights, trusted=)``. The kernels test ``order`` where
+    they read it (a permutation, in range) unless trusted."""
 
+    permute: Callable[..., tuple[Tensor, Tensor]]
     permute_grad: Callable[..., Tensor]
     unpermute: Callable[..., Tensor]
     unpermute_grad: Callable[..., tuple[Tensor, Tensor]]
@@ -51,7 +55,8 @@ class Kernels(NamedTuple):
 
 class Slots(NamedTuple):
     """A call's slot table: ``slots`` (T, W) int64 (-1: none), ``experts`` (T, W) the expert of each slot (E where
-    it has none or it is unknown), ``order`` the completed permutation of [0, T·W), ``live`` the rows slots name."""
+    it has none or it is unknown), ``order`` the completed permutation of [0, T·W) (tested here: the kernels
+    need not test it again), ``live`` the rows slots name."""
 
     slots: Tensor
     experts: Tensor
@@ -81,58 +86,20 @@ def _complete(slots: Tensor, live: int) -> Tensor:
     return torch.where(empty, live + torch.cumsum(empty, 0) - 1, flat)
 
 
-def _routed(routing_map: Tensor, topk: int) -> tuple[Tensor, Tensor]:
-    """Without dropping: ``(k, row)`` per (t, e) pair, k its rank among the token's experts (ascending), row its
-    permuted row (expert-major, tokens ascending within an expert). Entries of unrouted pairs are meaningless."""
-    mask = routing_map != 0
-    counts = mask.long()
-    column = counts.sum(0)
-    row = (torch.cumsum(column, 0) - column) + torch.cumsum(counts, 0) - 1
-    return torch.cumsum(counts, 1) - 1, row
-
-
-def _scatter_slots(mask: Tensor, rank: Tensor, values: Tensor, topk: int, empty: int) -> Tensor:
-    """(T, K): ``values[t, e]`` at the slot ``rank[t, e]`` of each routed pair, ``empty`` elsewhere (pairs ranked
-    past K land in a spare column that is dropped)."""
-    t = mask.shape[0]
-    table = torch.full((t, topk + 1), empty, dtype=values.dtype, device=mask.device)
-    where = torch.where(mask & (rank < topk), rank, topk)
-    table.scatter_(1, where, torch.where(mask, values, empty))
-    return table[:, :topk]
+def _ranked(routing_map: Tensor) -> Tensor:
+    """(T, E): each token's routed experts ascending, then E for the rest (one sort of the rows)."""
+    e = routing_map.shape[1]
+    ids = torch.arange(e, device=routing_map.device)
+    return torch.where(routing_map != 0, ids, e).sort(dim=1).values
 
 
 def _experts_by_rank(routing_map: Tensor, topk: int) -> Tensor:
     """(T, K): each token's k-th routed expert, ascending; E past its last."""
-    mask = routing_map != 0
-    rank = torch.cumsum(mask.long(), 1) - 1
+    ranked = _ranked(routing_map)
     e = routing_map.shape[1]
-    ids = torch.arange(e, device=mask.device).expand_as(mask)
-    return _scatter_slots(mask, rank, ids, topk, e)
-
-
-def _from_map(op: str, routing_map: Tensor, drop_and_pad: bool, per: int) -> Slots:
-    """The permute's slots, from the routing map."""
-    mask = routing_map != 0
-    t, e = mask.shape
-    ids = torch.arange(e, device=mask.device)
-    if drop_and_pad:
-        counts = mask.long()
-        column = counts.sum(0)
-        # An expert's column: its routed tokens ascending, then the others ascending (a stable descending sort of
-        # the column); the first C take its rows.
-        place = torch.where(mask, torch.cumsum(counts, 0) - 1, column + torch.cumsum(1 - counts, 0) - 1)
-        slots = torch.where(place < per, ids * per + place, -1)
-        return Slots(slots, ids.expand(t, e), _complete(slots, per * e), per * e)
-    rank, row = _routed(routing_map, per)
-    over = mask & (rank >= per)
-    live, excess = _host(mask.sum(), over.any())
-    if excess:
-        worst = int(mask.sum(1).argmax())
-        raise fail(INVALID, op, "routing_map", f"at most K = num_out_tokens // T = {per} routed experts per token",
-                   f"{int(mask[worst].sum())} in row {worst}")
-    slots = _scatter_slots(mask, rank, row, per, -1)
-    experts = _scatter_slots(mask, rank, ids.expand(t, e), per, e)
-    return Slots(slots, experts, _complete(slots, live), live)
+    if topk > e:
+        return torch.cat([ranked, ranked.new_full((ranked.shape[0], topk - e), e)], 1)
+    return ranked[:, :topk]
 
 
 def _from_rows(op: str, sorted_indices: Tensor, tokens: int, per: int, rows: int, drop_and_pad: bool,
@@ -161,6 +128,7 @@ def _from_rows(op: str, sorted_indices: Tensor, tokens: int, per: int, rows: int
         expert = torch.where(slots >= 0, slots // per, experts) if per else torch.full_like(slots, experts)
         return Slots(slots, expert, _complete(slots, n), n)
     slots = index.reshape(tokens, per)
+    expert = _experts_by_rank(routing_map, per) if routing_map is not None else torch.full_like(slots, experts)
     # The entries >= 0 must be [0, live) in some order: sorted, the i-th of them is i.
     ordered = torch.sort(index).values
     missing = (index < 0).sum()
@@ -168,10 +136,39 @@ def _from_rows(op: str, sorted_indices: Tensor, tokens: int, per: int, rows: int
     fits = ((ordered == position - missing) | (position < missing)).all() & (ordered[:1] >= -1).all()
     live, ok = _host(n - missing, fits) if n else (0, 1)
     if not ok or live > rows:
-        raise fail(INVALID, op, "sorted_indices", f"the rows [0, live) each named once (live <= A = {rows}) and -1 "
-                   "for empty slots", _first_fault(index, rows))
-    expert = _experts_by_rank(routing_map, per) if routing_map is not None else torch.full_like(slots, experts)
+        raise _indices_error(op, index, rows)
     return Slots(slots, expert, _complete(slots, live), live)
+
+
+def _indices_error(op: str, index: Tensor, rows: int) -> Exception:
+    """The OpError of non-dropping sorted indices that are not the rows [0, live) once each and -1s."""
+    return fail(INVALID, op, "sorted_indices", f"the rows [0, live) each named once (live <= A = {rows}) and -1 for "
+                "empty slots", _first_fault(index, rows))
+
+
+def _whole(sorted_indices: Tensor, routing_map: Tensor | None, per: int, rows: int) -> bool:
+    """Without dropping: whether every slot names a row (no -1: each token routed to exactly K experts, the common
+    case) and the rows are all present (A = T·K), and the routing map, where given, routes each token to K
+    experts (one synchronisation). The indices are then the permutation the kernels take as it is, and the map's
+    pairs in token-major order are the slots' (``masked_select`` / ``masked_scatter``)."""
+    n = sorted_indices.numel()
+    if not n or rows != n:
+        return False
+    checks = [(sorted_indices < 0).any()]
+    if routing_map is not None:
+        checks.append(((routing_map != 0).sum(1) != per).any())
+    return not any(_host(*checks))
+
+
+def _tested_by_kernel(op: str, sorted_indices: Tensor, rows: int, kernel: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    """``kernel(*args)`` on the caller's indices as they are (see :func:`_whole`): the kernel tests that they are a
+    permutation before it reads with them, and its refusal is this op's, naming its own argument. (On CUDA the
+    Triton kernels flag it without a host synchronisation, raised at the next launch.)"""
+    try:
+        return kernel(*args, **kwargs)
+    except OpError:
+        raise _indices_error(op, sorted_indices.long(), rows) from None
 
 
 def _first_fault(index: Tensor, rows: int) -> str:
@@ -207,10 +204,9 @@ def _probs_grad(table: Slots, slot_values: Tensor, experts: int) -> Tensor:
     return out[:-1].view(t, experts)
 
 
-def _rows_of(table: Slots, source: Tensor, rows: int, dtype: torch.dtype, row_slot: Tensor | None = None) -> Tensor:
-    """(rows, H): row r holds ``source[token of r]``; rows past the live ones are zeros. ``row_slot``: the table's
-    :meth:`Slots.row_slot` where the caller has it."""
-    token = (table.row_slot(table.live) if row_slot is None else row_slot[:table.live]) // table.width
+def _rows_of(table: Slots, source: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """(rows, H): row r holds ``source[token of r]``; rows past the live ones are zeros."""
+    token = table.row_slot(table.live) // table.width
     out = source.new_zeros((rows, source.shape[1]), dtype=dtype) if table.live < rows else \
         source.new_empty((rows, source.shape[1]), dtype=dtype)
     if dtype == source.dtype:
@@ -218,7 +214,6 @@ def _rows_of(table: Slots, source: Tensor, rows: int, dtype: torch.dtype, row_sl
     else:
         out[:table.live] = source.index_select(0, token)
     return out
-
 
 def slot_probs(sorted_indices: Tensor, probs: Tensor, routing_map: Tensor | None, drop_and_pad: bool) -> Tensor:
     """Each entry of ``sorted_indices``' probability, as aclnnMoeTokenUnpermuteWithRoutingMap writes ``permuteProbs``:
@@ -254,15 +249,33 @@ def permute(kernels: Kernels, tokens: Tensor, routing_map: Tensor, probs: Tensor
     if not t:
         return (tokens.new_zeros((0, h)), _empty_probs(tokens) if probs is None else probs.new_zeros(0),
                 torch.zeros(0, dtype=torch.int32, device=tokens.device))
-    table = _from_map(PERMUTE, routing_map, drop_and_pad, per)
-    row_slot = table.row_slot(rows)
-    permuted = _rows_of(table, tokens, rows, tokens.dtype, row_slot)
-    permuted_probs = _empty_probs(tokens) if probs is None else _weights(table, probs, probs).reshape(-1)[row_slot]
     if drop_and_pad:
-        sorted_indices = (row_slot // table.width).int()  # the token of each row
-    else:
-        sorted_indices = table.slots.reshape(-1).int()
-    return permuted, permuted_probs, sorted_indices
+        # Each expert's column: its routed tokens ascending, then the others (the stable descending sort Megatron
+        # and op-plugin's golden use); the first C are its rows.
+        chosen = torch.sort((routing_map != 0).T.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :per]
+        token_of_row = chosen.reshape(-1)
+        permuted = tokens.index_select(0, token_of_row)
+        permuted_probs = _empty_probs(tokens) if probs is None else probs.T.gather(1, chosen).reshape(-1)
+        return permuted, permuted_probs, token_of_row.int()
+    ranked = _ranked(routing_map)  # each token's experts ascending, E after
+    experts = ranked[:, :per] if per <= e else torch.cat([ranked, ranked.new_full((t, per - e), e)], 1)
+    over = ranked[:, per] < e if per < e else torch.zeros(1, dtype=torch.bool, device=ranked.device)
+    live, excess = _host((experts < e).sum(), over.any())
+    if excess:
+        worst = int((routing_map != 0).sum(1).argmax())
+        raise fail(INVALID, PERMUTE, "routing_map", f"at most K = num_out_tokens // T = {per} routed experts per "
+                   "token", f"{int((routing_map[worst] != 0).sum())} in row {worst}")
+    # The family's permute: a stable sort by expert id puts the pairs expert-major, tokens ascending; the slots
+    # past a token's last expert carry id E, sort after every pair and fall past the live rows.
+    gathered, slot_row = kernels.permute(tokens, experts, live)
+    sorted_indices = torch.where(slot_row < live, slot_row, -1)
+    permuted = gathered if live == rows else torch.cat([gathered, gathered.new_zeros((rows - live, h))])
+    if probs is None:
+        return permuted, _empty_probs(tokens), sorted_indices
+    weights = torch.cat([probs, probs.new_zeros(t, 1)], 1).gather(1, experts)  # id E: the zero column
+    spread = probs.new_zeros(rows + 1)  # the last element takes the empty slots' writes
+    spread.scatter_(0, torch.where(slot_row < live, slot_row.long(), rows).reshape(-1), weights.reshape(-1))
+    return permuted, spread[:rows], sorted_indices
 
 
 def permute_grad(kernels: Kernels, grad: Tensor, grad_probs: Tensor | None, sorted_indices: Tensor,
@@ -274,6 +287,13 @@ def permute_grad(kernels: Kernels, grad: Tensor, grad_probs: Tensor | None, sort
         return grad.new_zeros((0, h)), _empty_probs(grad) if grad_probs is None else grad_probs.new_zeros((0,
                                                                                                            num_experts))
     per = rows // num_experts if drop_and_pad else sorted_indices.numel() // num_tokens
+    if not drop_and_pad and _whole(sorted_indices, routing_map if grad_probs is not None else None, per, rows):
+        dtokens = _tested_by_kernel(PERMUTE_GRAD, sorted_indices, rows, kernels.permute_grad, grad, sorted_indices,
+                                    per, trusted=False)
+        if grad_probs is None:
+            return dtokens, _empty_probs(grad)
+        at_slot = grad_probs[sorted_indices.long()]  # a permutation of the rows: the kernel tested it
+        return dtokens, grad_probs.new_zeros((num_tokens, num_experts)).masked_scatter_(routing_map != 0, at_slot)
     table = _from_rows(PERMUTE_GRAD, sorted_indices, num_tokens, per, rows, drop_and_pad, routing_map, num_experts)
     dtokens = kernels.permute_grad(grad[:table.live], table.order, table.width, trusted=True)
     if grad_probs is None:
@@ -301,6 +321,13 @@ def unpermute(kernels: Kernels, permuted_tokens: Tensor, sorted_indices: Tensor,
     tokens = restore_shape[0]
     if not tokens:
         return permuted_tokens.new_zeros((0, permuted_tokens.shape[1]))
+    if not drop_and_pad:
+        per = sorted_indices.numel() // tokens
+        if _whole(sorted_indices, routing_map if probs is not None else None, per, permuted_tokens.shape[0]):
+            weights = (permuted_tokens.new_ones((tokens, per)) if probs is None else
+                       probs.masked_select(routing_map != 0).view(tokens, per))
+            return _tested_by_kernel(UNPERMUTE, sorted_indices, permuted_tokens.shape[0], kernels.unpermute,
+                                     permuted_tokens, sorted_indices, weights)
     table = _unpermute_table(UNPERMUTE, permuted_tokens, sorted_indices, tokens, probs, routing_map, drop_and_pad)
     weights = _weights(table, probs, permuted_tokens)
     return kernels.unpermute(permuted_tokens[:table.live], table.order, weights)
@@ -315,6 +342,15 @@ def unpermute_grad(kernels: Kernels, permuted_tokens: Tensor, grad_unpermuted: T
     if not tokens:
         return permuted_tokens.new_zeros((rows, h)), (_empty_probs(permuted_tokens) if probs is None
                                                       else probs.new_zeros((0, experts)))
+    if probs is not None and not drop_and_pad:
+        per = sorted_indices.numel() // tokens
+        if _whole(sorted_indices, routing_map, per, rows):
+            mask = routing_map != 0
+            weights = probs.masked_select(mask).view(tokens, per)
+            dpermuted, at_slot = _tested_by_kernel(UNPERMUTE_GRAD, sorted_indices, rows, kernels.unpermute_grad,
+                                                   permuted_tokens, grad_unpermuted, sorted_indices, weights,
+                                                   trusted=False)
+            return dpermuted, probs.new_zeros((tokens, experts)).masked_scatter_(mask, at_slot)
     table = _unpermute_table(UNPERMUTE_GRAD, permuted_tokens, sorted_indices, tokens, probs, routing_map,
                              drop_and_pad)
     if probs is None:
@@ -330,7 +366,7 @@ def unpermute_grad(kernels: Kernels, permuted_tokens: Tensor, grad_unpermuted: T
 # ---------------------------------------------------------------- the reference backend
 def _reference(compute: torch.dtype) -> Kernels:
     """The reference kernels summing in ``compute``."""
-    return Kernels(partial(moe_permute.moe_token_permute_grad, compute=compute),
+    return Kernels(moe_permute.moe_token_permute, partial(moe_permute.moe_token_permute_grad, compute=compute),
                    partial(moe_permute.moe_token_unpermute, compute=compute),
                    partial(moe_permute.moe_token_unpermute_grad, compute=compute))
 
