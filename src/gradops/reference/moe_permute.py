@@ -3,6 +3,8 @@ torch (CANN's index convention)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -111,3 +113,10 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(-1, k, hidden)
     grad_probs = (picked * g[:, None, :]).sum(dim=-1)
     return grad_permuted.to(permuted_tokens.dtype), grad_probs.to(probs.dtype)
+
+
+def kernels(compute: torch.dtype = torch.float32) -> tuple:
+    """This family's functions as the routing-map ops run them (the order of
+    :class:`gradops.reference.moe_routing.Kernels`), the sums in ``compute``."""
+    return (moe_token_permute, partial(moe_token_permute_grad, compute=compute),
+            partial(moe_token_unpermute, compute=compute), partial(moe_token_unpermute_grad, compute=compute))

@@ -24,7 +24,6 @@ with them; shapes were checked by :mod:`gradops.contract.moe_routing`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -366,9 +365,7 @@ def unpermute_grad(kernels: Kernels, permuted_tokens: Tensor, grad_unpermuted: T
 # ---------------------------------------------------------------- the reference backend
 def _reference(compute: torch.dtype) -> Kernels:
     """The reference kernels summing in ``compute``."""
-    return Kernels(moe_permute.moe_token_permute, partial(moe_permute.moe_token_permute_grad, compute=compute),
-                   partial(moe_permute.moe_token_unpermute, compute=compute),
-                   partial(moe_permute.moe_token_unpermute_grad, compute=compute))
+    return Kernels(*moe_permute.kernels(compute))
 
 
 def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, probs: Tensor | None,
