@@ -161,12 +161,19 @@ def check_moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted
             raise fail(INVALID, op, "sorted_indices.shape", f"(A,) = ({rows},), A = C*E rows with E = {experts}",
                        shape_text(sorted_indices.shape))
         return RoutePlan(tokens, experts, h, rows, total // experts)
+    return RoutePlan(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, INVALID))
+
+
+def _slots_per_token(op: str, sorted_indices, tokens: int, status: int) -> int:
+    """Without dropping: K, from the (T*K,) sorted indices (0 without tokens); ``status`` for a length that is not
+    T*K with K in [1, 512]."""
     if not tokens:
-        return RoutePlan(0, experts, h, rows, 0)
+        return 0
+    total = sorted_indices.shape[0]
     if total % tokens or not 1 <= total // tokens <= MAX_TOPK:
-        raise fail(INVALID, op, "sorted_indices.shape", f"(T*K,) with T = num_tokens = {tokens}, K in [1, {MAX_TOPK}]",
+        raise fail(status, op, "sorted_indices.shape", f"(T*K,) with T = {tokens} tokens, K in [1, {MAX_TOPK}]",
                    shape_text(sorted_indices.shape))
-    return RoutePlan(tokens, experts, h, rows, total // tokens)
+    return total // tokens
 
 
 def check_restore_shape(op: str, restore_shape: object, hidden: int) -> int:
@@ -196,12 +203,7 @@ def _unpermute_plan(op: str, permuted_tokens, sorted_indices, tokens: int, probs
         if experts:
             _experts_fit(op, "probs.shape[1]" if probs is not None else "routing_map.shape[1]", experts)
         return RoutePlan(tokens, experts, h, rows, total // experts if experts else 0)
-    if not tokens:
-        return RoutePlan(0, experts, h, rows, 0)
-    if total % tokens or not 1 <= total // tokens <= MAX_TOPK:
-        raise fail(shapes, op, "sorted_indices.shape", f"(T*K,) with T = {tokens}, K in [1, {MAX_TOPK}]",
-                   shape_text(sorted_indices.shape))
-    return RoutePlan(tokens, experts, h, rows, total // tokens)
+    return RoutePlan(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, shapes))
 
 
 def check_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs=None,

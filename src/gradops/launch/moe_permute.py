@@ -191,37 +191,9 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
            BLOCK_H=block_h, num_warps=warps)
     return dx, dp
 
+
 # ---------------------------------------------------------------- the routing-map ops
 # The permute family's kernels above on the slot tables of gradops.reference.moe_routing (docs/semantics.md §5b).
-_KERNELS = routing.Kernels(moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad)
-
-
-def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, probs: Tensor | None,
-                                       num_out_tokens: int | None, drop_and_pad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """aclnnMoeTokenPermuteWithRoutingMap (see :func:`gradops.reference.moe_routing.permute`)."""
-    return routing.permute(_KERNELS, tokens, routing_map, probs, num_out_tokens, drop_and_pad)
-
-
-def moe_token_permute_with_routing_map_grad(grad: Tensor, grad_probs: Tensor | None, sorted_indices: Tensor,
-                                            routing_map: Tensor | None, num_experts: int, num_tokens: int,
-                                            drop_and_pad: bool) -> tuple[Tensor, Tensor]:
-    """aclnnMoeTokenPermuteWithRoutingMapGrad (see :func:`gradops.reference.moe_routing.permute_grad`)."""
-    return routing.permute_grad(_KERNELS, grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens,
-                                drop_and_pad)
-
-
-def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor, restore_shape: list[int],
-                                         probs: Tensor | None, routing_map: Tensor | None, drop_and_pad: bool
-                                         ) -> Tensor:
-    """aclnnMoeTokenUnpermuteWithRoutingMap (see :func:`gradops.reference.moe_routing.unpermute`)."""
-    return routing.unpermute(_KERNELS, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
-                             drop_and_pad)
-
-
-def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor,
-                                              sorted_indices: Tensor, probs: Tensor | None,
-                                              routing_map: Tensor | None, drop_and_pad: bool
-                                              ) -> tuple[Tensor, Tensor]:
-    """aclnnMoeTokenUnpermuteWithRoutingMapGrad (see :func:`gradops.reference.moe_routing.unpermute_grad`)."""
-    return routing.unpermute_grad(_KERNELS, permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map,
-                                  drop_and_pad)
+(moe_token_permute_with_routing_map, moe_token_permute_with_routing_map_grad, moe_token_unpermute_with_routing_map,
+ moe_token_unpermute_with_routing_map_grad) = routing.ops_on(routing.Kernels(
+    moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad))

@@ -118,7 +118,7 @@ def _moe_token_permute_with_routing_map_grad_body(permuted_tokens_grad: Tensor, 
 
 
 _moe_token_permute_with_routing_map_grad = DirectOp("gradops::moe_token_permute_with_routing_map_grad",
-                         _moe_token_permute_with_routing_map_grad_body)
+                                                    _moe_token_permute_with_routing_map_grad_body)
 _moe_token_permute_with_routing_map_grad.register_fake(fake_of(check_permute_grad, _permute_grad_results))
 
 
@@ -169,7 +169,7 @@ def _moe_token_unpermute_with_routing_map_grad_body(permuted_tokens: Tensor, gra
 
 
 _moe_token_unpermute_with_routing_map_grad = DirectOp("gradops::moe_token_unpermute_with_routing_map_grad",
-                           _moe_token_unpermute_with_routing_map_grad_body)
+                                                      _moe_token_unpermute_with_routing_map_grad_body)
 _moe_token_unpermute_with_routing_map_grad.register_fake(fake_of(check_unpermute_grad, _unpermute_grad_results))
 
 

@@ -24,6 +24,7 @@ with them; shapes were checked by :mod:`gradops.contract.moe_routing`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -360,6 +361,13 @@ def unpermute_grad(kernels: Kernels, permuted_tokens: Tensor, grad_unpermuted: T
     if table.live < rows:
         live_rows = torch.cat([live_rows, live_rows.new_zeros((rows - table.live, h))])
     return live_rows, _probs_grad(table, at_slot, experts)
+
+
+def ops_on(kernels: Kernels) -> tuple[Callable[..., Any], ...]:
+    """The four ops on a backend's ``kernels``, in the order permute, permute_grad, unpermute, unpermute_grad: what
+    :mod:`gradops.cpu` and :mod:`gradops.launch` export under the ops' names."""
+    return partial(permute, kernels), partial(permute_grad, kernels), partial(unpermute, kernels), \
+        partial(unpermute_grad, kernels)
 
 
 # ---------------------------------------------------------------- the reference backend
