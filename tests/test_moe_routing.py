@@ -1,4 +1,4 @@
-"""The routing-map MoE token movement (docs moe-family.md §1-§3), specified by float64 references written here.
+"""The routing-map MoE token movement (docs/semantics.md §5b), specified by float64 references written here.
 
 Ops under test: ``gradops.moe_token_permute_with_routing_map`` and its ``_grad``,
 ``gradops.moe_token_unpermute_with_routing_map`` and its ``_grad``, the torch_npu spellings in
@@ -510,7 +510,7 @@ OPDOC_PROBS = [[0.5, 0.3], [0.4, 0.6], [0.2, 0.8]]
 
 
 def test_opdoc_example():
-    """moe-family.md §1a: all-ones (3, 2) map, num_out_tokens = 6 (K = 2)."""
+    """docs/semantics.md §5b (the torch_npu page's example): all-ones (3, 2) map, num_out_tokens = 6 (K = 2)."""
     tokens = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     rmap = torch.ones(3, 2, dtype=torch.bool)
     probs = torch.tensor(OPDOC_PROBS)
