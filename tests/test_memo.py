@@ -69,11 +69,23 @@ def test_refusals_are_raised_afresh_each_time():
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("arg", [torch.randn(4, 8).to_sparse(), [4, 8], object()], ids=["sparse", "list", "object"])
+@pytest.mark.parametrize("arg", [torch.randn(4, 8).to_sparse(), [4.5, 8], [[4], 8], object()],
+                         ids=["sparse", "list-of-floats", "nested-list", "object"])
 def test_arguments_the_key_cannot_describe_are_checked_every_time(arg):
     check, calls = counted(lambda a, b: None)
     for _ in range(2):
         check(arg, torch.randn(8))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("shape", [[4, 8], (4, 8)], ids=["list", "tuple"])
+def test_a_shape_argument_is_part_of_the_key(shape):
+    """A list or tuple of ints (the routing-map unpermute's restore_shape) is metadata like a scalar: remembered,
+    and another shape is another key."""
+    check, calls = counted(lambda a, b: None)
+    for _ in range(2):
+        check(shape, torch.randn(8))
+    check([4, 9], torch.randn(8))
     assert len(calls) == 2
 
 

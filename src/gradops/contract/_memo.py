@@ -10,8 +10,8 @@ What is never remembered, so the check runs in full each time: a refusal (an OpE
 the message of the arguments at hand); an argument that is not a plain tensor (a subclass or fake tensor has
 its own metadata rules), a tensor that is not strided (sparse), a tensor whose storage was freed or shrunk
 (:data:`gradops.contract._common.hollow`: a plan depends on metadata only, so this is asked on every call), or a
-value other than None, bool, int, float and str; keyword arguments. A float NaN never equals itself, so a NaN
-epsilon always misses (and is checked).
+value other than None, bool, int, float, str and a list or tuple of ints (a shape); keyword arguments. A float
+NaN never equals itself, so a NaN epsilon always misses (and is checked).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from . import _common
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (type(None), bool, int, float, str)
+_SEQUENCES = (list, tuple)
 _STRIDED = torch.strided
 #: Plans kept per check. A training run uses a handful of shapes per op; a sweep over many shapes starts over
 #: when the table is full (a clear is cheaper than an LRU's bookkeeping on every hit).
@@ -46,6 +47,8 @@ def key_of(args: tuple) -> tuple | None:
             key.append((a.shape, a.dtype, a.device))
         elif kind in _SCALARS:
             key.append((kind, a))
+        elif kind in _SEQUENCES and all(type(v) is int for v in a):  # a shape argument (restore_shape)
+            key.append((kind, tuple(a)))
         else:
             return None
     return tuple(key)
