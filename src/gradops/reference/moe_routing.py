@@ -294,7 +294,9 @@ def permute_grad(kernels: Kernels, grad: Tensor, grad_probs: Tensor | None, sort
             return dtokens, _empty_probs(grad)
         at_slot = grad_probs[sorted_indices.long()]  # a permutation of the rows: the kernel tested it
         return dtokens, grad_probs.new_zeros((num_tokens, num_experts)).masked_scatter_(routing_map != 0, at_slot)
-    table = _from_rows(PERMUTE_GRAD, sorted_indices, num_tokens, per, rows, drop_and_pad, routing_map, num_experts)
+    # The map says each slot's expert, which only the probs' gradient needs.
+    table = _from_rows(PERMUTE_GRAD, sorted_indices, num_tokens, per, rows, drop_and_pad,
+                       routing_map if grad_probs is not None else None, num_experts)
     dtokens = kernels.permute_grad(grad[:table.live], table.order, table.width, trusted=True)
     if grad_probs is None:
         return dtokens, _empty_probs(grad)
@@ -312,7 +314,9 @@ def _unpermute_table(op: str, permuted: Tensor, sorted_indices: Tensor, tokens: 
         per = rows // experts if experts else 0
     else:
         per = sorted_indices.numel() // tokens
-    return _from_rows(op, sorted_indices, tokens, per, rows, drop_and_pad, routing_map, experts)
+    # The map says each slot's expert, which only the weights and the probs' gradient need.
+    return _from_rows(op, sorted_indices, tokens, per, rows, drop_and_pad, routing_map if probs is not None else None,
+                      experts)
 
 
 def unpermute(kernels: Kernels, permuted_tokens: Tensor, sorted_indices: Tensor, restore_shape: Sequence[int],
