@@ -242,6 +242,28 @@ def test_a_stale_build_lock_is_removed_and_a_failure_noted(tmp_path, monkeypatch
     assert lock.exists() and calls == [False, True]
 
 
+def test_a_failed_build_notes_the_compilers_errors(tmp_path, monkeypatch):
+    """torch's builder puts the whole compiler command on its message's first line and the compiler's diagnostics
+    after it: FAILED keeps the compiler's ``error:`` lines (what a user must fix), not only the command's start (the
+    first GPU machine's note said only ``[1/9] /opt/gcc/bin/g++ -MMD ...``)."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(native, "_library", lambda: tmp_path / "missing.so")
+    command = "Error building extension 'x': [1/9] /opt/gcc/bin/g++ " + "-isystem /a/very/long/include " * 40
+    diagnostics = ["direct.cpp: In function 'f':", "direct.cpp:178:32: error: 'at::GradMode' has not been declared",
+                   "  178 |   at::GradMode::is_enabled()", "ninja: build stopped: subcommand failed."]
+
+    def failing_load(*args, **kwargs):
+        raise RuntimeError("\n".join([command, *diagnostics]))
+
+    monkeypatch.setattr(cpp, "load", failing_load)
+    with pytest.raises(RuntimeError):
+        native.build()
+    note = (tmp_path / native.FAILED).read_text().splitlines()
+    assert note[0].startswith("RuntimeError: Error building extension 'x'") and len(note[0]) <= 214
+    assert note[1:] == ["direct.cpp:178:32: error: 'at::GradMode' has not been declared"]
+
 def test_a_terminated_build_exits_through_cleanup(tmp_path, monkeypatch):
     """A TERM during the build (timeout(1) ending a part of scripts/gpu_check.sh) becomes SystemExit, so torch's
     builder releases its lock on the way out instead of leaving it for the next build to wait on; the process's

@@ -155,12 +155,20 @@ def build(verbose: bool = False) -> Path:
         load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
              extra_ldflags=list(_OPENMP), verbose=verbose)
     except Exception as err:
-        (directory / FAILED).write_text(f"{type(err).__name__}: {str(err).strip()[:300]}\n")
+        (directory / FAILED).write_text(f"{_build_error(err)}\n")
         raise
     finally:
         if main:  # None: a handler set outside Python, i.e. the default
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return library
+
+
+def _build_error(err: Exception) -> str:
+    """A failed build in a few lines: the exception's first line (torch's builder puts the whole compiler command
+    there) cut to 200 characters, then the compiler's own ``error:`` lines (the first 8), which say what to fix."""
+    lines = str(err).strip().splitlines() or [""]
+    errors = [line.strip() for line in lines[1:] if "error" in line.lower()][:8]
+    return "\n".join([f"{type(err).__name__}: {lines[0][:200]}", *errors])
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -196,7 +204,7 @@ def ensure_built() -> str | None:
     try:
         build()
     except Exception as err:  # the compiler's or ninja's failure, whatever it is
-        _failure = f"the native CPU kernels could not be built ({type(err).__name__}: {str(err).strip()[:300]})"
+        _failure = f"the native CPU kernels could not be built ({_build_error(err)})"
         print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {FIX}",
               file=sys.stderr)
         return _failure

@@ -18,6 +18,7 @@
 
 #include "common.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
