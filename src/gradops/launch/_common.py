@@ -47,7 +47,9 @@ def guard(bad: Tensor, error: Callable[[], Exception]) -> None:
     On the CPU (the interpreter) the flag is read at once. On CUDA, reading it would synchronise the host with
     the device on every call; instead it is copied into pinned host memory behind an event, and the next gradops
     launch on any device, or :func:`raise_pending` with ``wait=True`` (``gradops.synchronize()``), raises it once the
-    event has completed: the asynchronous error model of CUDA itself, minus the poisoned context."""
+    event has completed: the asynchronous error model of CUDA itself, minus the poisoned context. Launchers flag
+    after their own launches, so that whether a call raises its own flag never depends on how fast the device
+    was: a later call, or ``gradops.synchronize()``, does."""
     if bad.device.type != "cuda":
         if bool(bad):
             raise error()
@@ -72,7 +74,21 @@ def raise_pending(wait: bool = False) -> None:
             _PENDING.popleft()
         event.synchronize()
         if bool(flag):
-            raise error()
+            raise _built(error)
+
+
+def _built(error: Callable[[], Exception]) -> Exception:
+    """``error()`` outside ``torch.cuda.set_sync_debug_mode``: the factory reads the offending value from the
+    device (a synchronisation, on the error path only), which that mode would otherwise turn into a RuntimeError
+    about the read, hiding the OpError."""
+    mode = torch.cuda.get_sync_debug_mode()
+    if not mode:
+        return error()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return error()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 @cache

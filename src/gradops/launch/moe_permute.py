@@ -53,13 +53,14 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
         return permuted, inverse
     keys, first = carve(workspace, tokens.device, _specs(indices))
     torch.sort(indices.reshape(-1), stable=True, out=(keys, first))
-    # The smallest id is the sorted keys' first: one element read on the device, no pass of its own.
-    guard(keys[0] < 0, lambda: negative_id_error(indices) or expert_id_error(
-        "a value changed again before it could be shown", -1))
     block_t, block_h, warps = moe_blocks(h, block_h)
     launch(moe_token_permute_kernel, (triton.cdiv(total, block_t), triton.cdiv(max(h, 1), block_h)), tokens, first,
            permuted, inverse, total, num_rows, k, h, tokens.stride(0), tokens.stride(1), BLOCK_J=block_t,
            BLOCK_H=block_h, num_warps=warps)
+    # The smallest id is the sorted keys' first: one element read on the device, no pass of its own. Flagged after
+    # the launch, so that a later call reports it (see guard).
+    guard(keys[0] < 0, lambda: negative_id_error(indices) or expert_id_error(
+        "a value changed again before it could be shown", -1))
     return permuted, inverse
 
 
@@ -110,16 +111,15 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     total = sorted_indices.numel()
     t = total // num_topk
     out = outputs(out, [((t, h), grad.dtype)], grad.device)[0]
+    if t and h:
+        block_t, block_h, warps = moe_blocks(h, block_h)
+        launch(moe_token_permute_grad_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), grad,
+               sorted_indices.contiguous(), out, t, num_topk, rows, h, grad.stride(0), grad.stride(1),
+               BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
     if trusted:
         _guard_range(sorted_indices, "moe_token_permute_grad")
     else:
         _guard_permutation(sorted_indices, "moe_token_permute_grad")
-    if t == 0 or h == 0:
-        return out
-    block_t, block_h, warps = moe_blocks(h, block_h)
-    launch(moe_token_permute_grad_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), grad,
-           sorted_indices.contiguous(), out, t, num_topk, rows, h, grad.stride(0), grad.stride(1), BLOCK_T=block_t,
-           BLOCK_H=block_h, num_warps=warps)
     return out
 
 
@@ -140,15 +140,14 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     k = 1 if probs is None else probs.shape[1]
     t = sorted_indices.numel() // k
     out = outputs(out, [((t, h), permuted_tokens.dtype)], permuted_tokens.device)[0]
+    if t and h:
+        block_t, block_h, warps = moe_blocks(h, block_h)
+        weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
+        launch(moe_token_unpermute_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), permuted_tokens,
+               sorted_indices.contiguous(), weights, out, t, k, rows, h, permuted_tokens.stride(0),
+               permuted_tokens.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+               num_warps=warps)
     _guard_permutation(sorted_indices, "moe_token_unpermute")
-    if t == 0 or h == 0:
-        return out
-    block_t, block_h, warps = moe_blocks(h, block_h)
-    weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
-    launch(moe_token_unpermute_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), permuted_tokens,
-           sorted_indices.contiguous(), weights, out, t, k, rows, h, permuted_tokens.stride(0),
-           permuted_tokens.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t, BLOCK_H=block_h,
-           num_warps=warps)
     return out
 
 
@@ -178,17 +177,16 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
         dp = permuted_tokens.new_empty(0)
     else:
         dp = outputs(None if out is None else out[1], [((t, k), probs.dtype)], device)[0]
+    if t:
+        block_t, block_h, warps = moe_blocks(h, block_h)
+        weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
+        launch(moe_token_unpermute_grad_kernel, (triton.cdiv(t, block_t),), permuted_tokens, grad_unpermuted,
+               sorted_indices.contiguous(), weights, dx, dp if probs is not None else dx, t, k, rows, h,
+               permuted_tokens.stride(0), permuted_tokens.stride(1), grad_unpermuted.stride(0),
+               grad_unpermuted.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t,
+               BLOCK_H=block_h, num_warps=warps)
     if not trusted:
         _guard_permutation(sorted_indices, "moe_token_unpermute_grad")
-    if t == 0:
-        return dx, dp
-    block_t, block_h, warps = moe_blocks(h, block_h)
-    weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
-    launch(moe_token_unpermute_grad_kernel, (triton.cdiv(t, block_t),), permuted_tokens, grad_unpermuted,
-           sorted_indices.contiguous(), weights, dx, dp if probs is not None else dx, t, k, rows, h,
-           permuted_tokens.stride(0), permuted_tokens.stride(1), grad_unpermuted.stride(0),
-           grad_unpermuted.stride(1), HAS_PROBS=probs is not None, BLOCK_T=block_t,
-           BLOCK_H=block_h, num_warps=warps)
     return dx, dp
 
 
