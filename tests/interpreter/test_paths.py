@@ -189,11 +189,11 @@ def test_hardswish_backward_every_half_value_same_bits_as_the_reference(dtype, l
 # ------------------------------------------------------------------ Embedding
 @pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
 def test_embedding_segments(dtype, launches):
-    """Segments longer than BLOCK_T (3 steps of 4), V not a multiple of rows_per_program, E split in 8-column
-    blocks with a tail, padding and scale."""
+    """Segments longer than BLOCK_T (3 steps of 4), rows no index names (zero), E split in 8-column blocks with a
+    tail, padding and scale."""
     idx = torch.cat([torch.full((11,), 2), torch.randint(0, 13, (20,))])
     grad = _rand(31, 19, dtype=dtype)
-    cfg = embedding_config(19, rows_per_program=3, block_t=4, block_e=8)
+    cfg = embedding_config(19, block_t=4, block_e=8)
     args = (grad, idx, 13, 5, True)
     size = launch.embedding_dense_backward_workspace(*args)
     _check("embedding_dense_backward", launch.embedding_dense_backward, args, launches,
