@@ -83,7 +83,7 @@ def _builds():
                     {"G": bf, "X": bf, "OUT": bf}, {"BACKWARD": backward, "BLOCK_R": br, "BLOCK_C": bc}, w, ()))
     e = embedding.embedding_config(4096)
     out.append(("embedding", embedding.embedding_dense_backward_kernel,
-                {"G": bf, "PERM": "i64", "OFFS": "i64", "OUT": bf},
+                {"G": bf, "KEYS": "i64", "PERM": "i64", "OFFS": "i64", "OUT": bf},
                 {"SCALE": True, "BLOCK_T": e.block_t, "BLOCK_E": e.block_e}, e.num_warps, ()))
     for h in (128, 7168):
         bt, bh, w = moe_permute.moe_blocks(h)
@@ -251,6 +251,44 @@ def test_changed_saved_indices_reported_without_a_sync():
         gradops.synchronize()
     gradops.synchronize()  # reported once
 
+
+@gpu
+def test_embedding_forward_bad_index_reported_without_a_sync():
+    """The forward's range test on CUDA: no host synchronisation (rows read clamped into the table), the OpError
+    raised by gradops.synchronize() (or the next gradops launch)."""
+    import gradops
+
+    weight = torch.randn(100, 8, device="cuda")
+    idx = torch.tensor([3, 250, 7], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = gradops.embedding(weight, idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.shape == (3, 8) and torch.equal(y[0], weight[3])
+    with pytest.raises(gradops.OpError, match="got 250 at flat position 1"):
+        gradops.synchronize()
+    gradops.synchronize()  # reported once
+
+
+@gpu
+def test_layer_norm_grad_bad_variance_reported_without_a_sync():
+    """A variance below -epsilon (a swapped mean) on CUDA: flagged on the device after the kernels, raised by
+    gradops.synchronize()."""
+    import gradops
+
+    dy, x = torch.randn(2, 4, 64, device="cuda").unbind(0)
+    variance = torch.rand(4, device="cuda")
+    variance[2] = -1.0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gradops.layer_norm_grad(dy, x, variance, torch.zeros(4, device="cuda"), torch.ones(64, device="cuda"), 1e-5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(gradops.OpError, match="variance"):
+        gradops.synchronize()
 
 def _free_bytes() -> int:
     return torch.cuda.mem_get_info()[0] if CUDA else 0

@@ -122,7 +122,9 @@ def index_error(value: object, position: int, num_weights: int, op: str = "embed
 
 def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
     """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
-    ``[0, num_weights)``. One host synchronisation (the range test); NaN and inf are refused too."""
+    ``[0, num_weights)``: one host synchronisation (the range test); NaN and inf are refused too. Integer indices
+    on CUDA are tested without one: clamped into ``[0, num_weights)`` for the kernels, the refusal raised
+    asynchronously (see the comment inside)."""
     flat = indices.reshape(-1)
     if flat.is_floating_point():
         flat = flat.double().trunc()  # tested in float64: NaN and inf must fail the range test, not wrap in int64
@@ -132,6 +134,17 @@ def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embeddin
                 _refuse(indices, bad, num_weights, op)
         return flat.long()
     flat = flat.long()
+    if flat.numel() and num_weights > 0 and flat.device.type == "cuda":
+        guard = _device_guard()
+        if guard is not None:
+            # CUDA: no host synchronisation. The rows read or written are clamped into the table, and the range
+            # test is flagged on the device (raised by the next gradops launch or gradops.synchronize(), see
+            # gradops.launch._common.guard): a synchronisation per call costs a training step the overlap of
+            # host and device (an H100's 8 x 8 Embedding step ran 1.29 ms against torch's 0.37 with it).
+            safe = flat.clamp(0, num_weights - 1)
+            guard((safe != flat).any(), lambda: _refusal(indices, (flat < 0) | (flat >= num_weights), num_weights,
+                                                         op))
+            return safe
     if flat.numel():
         # Integers: one reduction and one synchronisation (~3 µs on CPU at small sizes, where the five ops of the
         # float test took ~20); the position is looked for only once a value is known to be outside.
@@ -141,6 +154,25 @@ def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embeddin
     return flat
 
 
+def _device_guard():
+    """:func:`gradops.launch._common.guard`, or None where Triton (and so the launchers) is missing: then the test
+    synchronises once per call, as on the CPU."""
+    try:
+        from ..launch._common import guard
+    except ImportError:
+        return None
+    return guard
+
+
+def _refusal(indices: torch.Tensor, bad: torch.Tensor, num_weights: int, op: str) -> OpError:
+    """The OpError of the first ``bad`` position (read from the device; an error path), or one saying the values
+    changed again where none is bad any more."""
+    hits = bad.nonzero()
+    if not hits.numel():
+        return index_error("a value changed again before it could be shown", -1, num_weights, op)
+    pos = int(hits[0, 0])
+    return index_error(indices.reshape(-1)[pos].item(), pos, num_weights, op)
+
+
 def _refuse(indices: torch.Tensor, bad: torch.Tensor, num_weights: int, op: str) -> None:
-    pos = int(bad.nonzero()[0, 0])
-    raise index_error(indices.reshape(-1)[pos].item(), pos, num_weights, op)
+    raise _refusal(indices, bad, num_weights, op)
