@@ -188,7 +188,8 @@ def layer_norm_bwd_looped_kernel(DY, X, MEAN, STAT, G, DX, RES, PG, PB, M, N, st
 def layer_norm_grad_beta_kernel(RES, DY, PG, PB, M, N, stride_res, stride_dy, rows_per_split,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """AscendC LayerNormGradBeta column sums: ``PG[s, j] = sum_r dy[r,j] * res[r,j]``, ``PB[s, j] = sum_r dy[r,j]``
-    over split s's rows ``[s*rows_per_split, (s+1)*rows_per_split)``, fp32, stored in PG/PB's dtype (the final
+    over split s's rows ``[s*rows_per_split, (s+1)*rows_per_split)``, fp32 (BLOCK_M lanes per column, each summing
+    every BLOCK_M-th row in order, then a tree over lanes: a fixed order), stored in PG/PB's dtype (the final
     outputs when there is one split, else fp32 partials reduced in a fixed order afterwards).
 
     Grid ``(cdiv(N, BLOCK_N), S)``. Bytes: ``2*M*N*s + S*N*8`` (+ the reduction) ``+ 2*N*s_out``.
@@ -198,18 +199,20 @@ def layer_norm_grad_beta_kernel(RES, DY, PG, PB, M, N, stride_res, stride_dy, ro
     cols = cb.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     r_start = split * rows_per_split
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Lane-wise accumulators, tree-summed once at the end: a cross-warp sum per step (the first version) held an
+    # H100 at ~0.39 ms for 16384 x 4096 bf16, ~0.7 TB/s.
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, rows_per_split, BLOCK_M):
         local = r0 + tl.arange(0, BLOCK_M)
         rows = r_start + local
         mask = ((local < rows_per_split) & (rows < M))[:, None] & cmask[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_g += tl.sum(dy * res, axis=0)
-        acc_b += tl.sum(dy, axis=0)
-    tl.store(PG + split * N + cols, acc_g.to(PG.dtype.element_ty), mask=cmask)
-    tl.store(PB + split * N + cols, acc_b.to(PB.dtype.element_ty), mask=cmask)
+        acc_g += dy * res
+        acc_b += dy
+    tl.store(PG + split * N + cols, tl.sum(acc_g, axis=0).to(PG.dtype.element_ty), mask=cmask)
+    tl.store(PB + split * N + cols, tl.sum(acc_b, axis=0).to(PB.dtype.element_ty), mask=cmask)
 
 
 def grad_beta_config(m: int, n: int, sm_count: int, block_n: int = 128, block_m: int = 32) -> tuple[int, int, int]:

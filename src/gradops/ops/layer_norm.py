@@ -61,10 +61,11 @@ def _(x, gamma, beta, epsilon):
 
 def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                         epsilon: float) -> tuple[Tensor, Tensor]:
-    checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
     rows, cols = plan
     pdx, res = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma,
                   epsilon)
+    # After the kernels (statistics are values, never addresses): on CUDA the flag is then raised by a later call.
+    checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
     return own(fit(pdx, x.shape), fit(res, x.shape))
 
 
@@ -114,11 +115,11 @@ def _(res_for_gamma, dy):
 
 def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                             check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    if check_statistics:
-        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     rows, cols = plan
     dx, dgamma, dbeta = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
                            gamma)
+    if check_statistics:  # after the kernels, as in _layer_norm_grad_2d
+        checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     return own(fit(dx, x.shape), dgamma, dbeta)
 
 
