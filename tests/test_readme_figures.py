@@ -65,6 +65,17 @@ def test_each_cell_is_the_newest_record_with_its_commit(tmp_path):
     assert "| RMSNorm | fp32 | 0.25 | - | - | - | 0.75 | abcdef0, - |" in table, table
 
 
+
+def test_a_gpu_run_is_not_newer_figures_for_the_cpu(tmp_path):
+    """Each table is one device's: a later CUDA run of the same case fills the gpu-* tables and leaves the CPU's
+    cells as they were; the README's summary shows both machines, a row each."""
+    lines = [_record("2026-01-01T00:00:00+00:00", 0.5, device="cpu", commit="c0ffee0000"),
+             _record("2026-02-01T00:00:00+00:00", 3.25, device="cuda", device_name="a GPU", commit="9e9e9e9e9e")]
+    (tmp_path / "sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cpu, gpu = readme.render("modules", results=tmp_path), readme.render("gpu-modules", results=tmp_path)
+    assert "| RMSNorm | fp32 | 0.50 | - | - | - | - | c0ffee0 |" in cpu and "3.25" not in cpu, cpu
+    assert "| RMSNorm | fp32 | 3.25 | - | - | - | - | 9e9e9e9 |" in gpu and "0.50" not in gpu, gpu
+
 def test_write_regenerates_a_hand_edited_table(tmp_path):
     results = tmp_path / "results"
     results.mkdir()

@@ -110,6 +110,12 @@ def _size(r: dict) -> tuple[int, int]:
     return r["rows"], r["cols"]
 
 
+def on(records: Iterable[dict], device: str) -> list[dict]:
+    """The records measured on ``device`` (``cpu`` or ``cuda``): each table is one device's, since a GPU run of
+    a case is not newer figures for the CPU's."""
+    return [r for r in records if r.get("device", "cpu") == device]
+
+
 def _sweep(records: list[dict], kind: str, field: str) -> dict[tuple, dict]:
     """The newest sweep record per (module or op, dtype, size) that has ``field``."""
     return _newest((r for r in records if r.get("bench") == "sweep" and kind in r and r.get(field) is not None),
@@ -153,31 +159,32 @@ def _grid(cells: dict[tuple, dict], names: Iterable[str], text: Callable[[dict],
     return "\n".join(lines) + "\n\nRuns:\n\n" + _runs_list(used, results)
 
 
-def modules(records: list[dict], results: Path = RESULTS) -> str:
+def modules(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """Each module forward + backward, gradops / torch eager: median over processes (lowest–highest)."""
-    return _grid(_sweep(records, "module", "ratio"), MODULES, _spread, results, "module")
+    return _grid(_sweep(on(records, device), "module", "ratio"), MODULES, _spread, results, "module")
 
 
-def modules_compile(records: list[dict], results: Path = RESULTS) -> str:
+def modules_compile(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """Each module forward + backward, gradops / ``torch.compile`` of the torch module."""
-    return _grid(_sweep(records, "module", "compile_ratio"), MODULES, lambda r: f"{r['compile_ratio']:.2f}",
-                 results, "module")
+    return _grid(_sweep(on(records, device), "module", "compile_ratio"), MODULES,
+                 lambda r: f"{r['compile_ratio']:.2f}", results, "module")
 
 
-def functions(records: list[dict], results: Path = RESULTS) -> str:
+def functions(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """Each backward function, gradops / its eager twin."""
-    return _grid(_sweep(records, "op", "ratio"), FUNCTIONS, _spread, results, "function", quote=True)
+    return _grid(_sweep(on(records, device), "op", "ratio"), FUNCTIONS, _spread, results, "function", quote=True)
 
 
-def functions_compile(records: list[dict], results: Path = RESULTS) -> str:
+def functions_compile(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """Each backward function, gradops / ``torch.compile`` of gradops' pure-torch reference."""
-    return _grid(_sweep(records, "op", "compile_ratio"), FUNCTIONS, lambda r: f"{r['compile_ratio']:.2f}",
-                 results, "function", quote=True)
+    return _grid(_sweep(on(records, device), "op", "compile_ratio"), FUNCTIONS,
+                 lambda r: f"{r['compile_ratio']:.2f}", results, "function", quote=True)
 
 
-def models(records: list[dict], results: Path = RESULTS) -> str:
+def models(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """One training step of a transformers model, gradops-patched against unpatched."""
-    newest = _newest((r for r in records if r.get("bench") == "models"), lambda r: (r["model"], r["dtype"]))
+    newest = _newest((r for r in on(records, device) if r.get("bench") == "models"),
+                     lambda r: (r["model"], r["dtype"]))
     lines = ["| model | dtype | gradops | transformers | gradops / transformers | other experts backends | commit |",
              "|---|---|---|---|---|---|---|"]
     for (model, dtype), r in sorted(newest.items(), key=lambda kv: (list(MODELS).index(kv[0][0]), kv[0][1])):
@@ -207,9 +214,14 @@ def per_call(records: list[dict], results: Path = RESULTS) -> str:
     return "\n".join(lines) + "\n\nRun:\n\n" + _runs_list(run, results)
 
 
-def kernels(records: list[dict], results: Path = RESULTS) -> str:
+def _ms(value: float) -> str:
+    """Milliseconds to three significant digits at least (a GPU case of 0.207 ms is not "0.2")."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+
+def kernels(records: list[dict], results: Path = RESULTS, device: str = "cpu") -> str:
     """``gradops bench`` (the byte-floor cases): each op's time, speedups and ``out=``'s share of ``copy_``."""
-    cases = [r for r in records if r.get("provider") is not None]
+    cases = [r for r in on(records, device) if r.get("provider") is not None]
     newest = _newest(cases, lambda r: (r["op"], json.dumps(r["shape"], sort_keys=True), r["dtype"], r["provider"]))
     keys = list(dict.fromkeys((op, shape, dtype) for op, shape, dtype, _ in newest))
     lines = ["| op | shape | dtype | gradops ms | vs eager | vs torch.compile | GB/s | `out=` % of `copy_` | commit |",
@@ -224,7 +236,7 @@ def kernels(records: list[dict], results: Path = RESULTS) -> str:
         speed = g.get("speedup", {})
         shown = " ".join(f"{k}={v}" for k, v in json.loads(shape).items())
         pct = f"{out['pct_copy']:.0f}%" if out and out.get("pct_copy") is not None else "-"
-        lines.append(f"| `{op}` | {shown} | {dtype} | {g['median_ms']:.1f} | "
+        lines.append(f"| `{op}` | {shown} | {dtype} | {_ms(g['median_ms'])} | "
                      + " | ".join(f"{speed[p]:.1f}×" if p in speed else "-" for p in ("eager", "compile"))
                      + f" | {g['gbps']:.1f} | {pct} | {commit(g, results)} |")
     return "\n".join(lines) + "\n\nRuns:\n\n" + _runs_list(used, results)
@@ -233,16 +245,17 @@ def kernels(records: list[dict], results: Path = RESULTS) -> str:
 def readme(records: list[dict], results: Path = RESULTS) -> str:
     """The README's summary, fp32: each module at three sizes, then whole training steps; one row per benchmark and
     day (a module whose cells come from another run of that day names its commit beside it)."""
-    cells = _sweep(records, "module", "ratio")
     groups: dict[tuple, list[tuple[str, str, str]]] = {}
-    for module in MODULES:
-        row = [cells.get((module, "fp32", size)) for size in README_SIZES]
-        if not all(row):
-            continue
-        r = row[-1]
-        commits = ", ".join(dict.fromkeys(commit(c, results) for c in row))
-        groups.setdefault((day(r), machine(r), versions(r)), []).append(
-            (module, " / ".join(f"{c['ratio']:.2f}" for c in row), commits))
+    for device in ("cpu", "cuda"):
+        cells = _sweep(on(records, device), "module", "ratio")
+        for module in MODULES:
+            row = [cells.get((module, "fp32", size)) for size in README_SIZES]
+            if not all(row):
+                continue
+            r = row[-1]
+            commits = ", ".join(dict.fromkeys(commit(c, results) for c in row))
+            groups.setdefault((day(r), machine(r), versions(r)), []).append(
+                (module, " / ".join(f"{c['ratio']:.2f}" for c in row), commits))
     sizes = " / ".join(f"{r}×{c}" for r, c in README_SIZES)
     lines = ["| benchmark | gradops / torch (below 1: gradops faster) | machine | versions | commit | date |",
              "|---|---|---|---|---|---|"]
@@ -253,7 +266,7 @@ def readme(records: list[dict], results: Path = RESULTS) -> str:
         lines.append(f"| `gradops bench --sweep`: module forward + backward, fp32, {sizes} | "
                      f"{'; '.join(f'{m} {v}' for m, v, _ in parts)} | {where} | {what} | {shown} | {when} |")
     steps = _newest((r for r in records if r.get("bench") == "models" and r["dtype"] == "fp32"),
-                    lambda r: r["model"])
+                    lambda r: (r.get("device", "cpu"), r["model"]))
     for run in dict.fromkeys((r["_file"], r["date"]) for r in steps.values()):
         rows = [r for r in steps.values() if (r["_file"], r["date"]) == run]
         parts = ", ".join(f"{MODELS.get(r['model'], r['model'])} {r['ratio']:.2f}" for r in rows)
@@ -266,6 +279,11 @@ def readme(records: list[dict], results: Path = RESULTS) -> str:
 TABLES: dict[str, Callable[[list[dict], Path], str]] = {
     "readme": readme, "modules": modules, "modules-compile": modules_compile, "functions": functions,
     "functions-compile": functions_compile, "models": models, "per-call": per_call, "kernels": kernels,
+    # the same tables of the GPU runs (scripts/gpu_check.sh)
+    "gpu-modules": functools.partial(modules, device="cuda"),
+    "gpu-functions": functools.partial(functions, device="cuda"),
+    "gpu-models": functools.partial(models, device="cuda"),
+    "gpu-kernels": functools.partial(kernels, device="cuda"),
 }
 
 
