@@ -183,30 +183,37 @@ def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Seque
     return outs
 
 
-#: One result of an op, as its declaration gives it: ``(shape, dtype, like)``, ``like`` a tensor on the result's
-#: device (the fake kernel's ``new_empty`` source).
-Result = tuple[Sequence[int], torch.dtype, Tensor]
+#: One result of an op, as its declaration gives it: ``(shape, dtype, like)`` or ``(shape, dtype, like, view)``;
+#: ``like`` is a tensor on the result's device (the fake kernel's ``new_empty`` source), ``view`` the shape the
+#: backend writes the result in (its 2-D form, for ops whose backends take 2-D views), the result's own shape
+#: when absent.
+Result = tuple
 
 
 def fake_of(check: Callable[..., object], results: Callable[..., Sequence[Result]]) -> Callable[..., object]:
     """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)``: the check
     on the fake arguments, then an empty tensor per declared result."""
     def fake(*args: object) -> object:
-        made = [like.new_empty(tuple(shape), dtype=dtype) for shape, dtype, like in results(check(*args), *args)]
+        made = [r[2].new_empty(tuple(r[0]), dtype=r[1]) for r in results(check(*args), *args)]
         return made[0] if len(made) == 1 else tuple(made)
     return fake
 
 
 def into(op: str, planner: Callable[..., object], results: Callable[..., Sequence[Result]], names: Sequence[str],
-         args: tuple, out: object, differentiable: Sequence[int] = ()) -> tuple[Tensor, ...]:
+         args: tuple, out: object, differentiable: Sequence[int] = (), *,
+         views: Callable[..., tuple] | None = None, via: DirectOp | None = None) -> tuple[Tensor, ...]:
     """``out=`` from an op's results declaration: the op's plan, the outs checked against the declared results
     (see :func:`check_out`), the plan's backend run into them (:func:`run_into`). ``names``: the op's argument
     names (the messages name an overlapping input); ``differentiable``: the positions of a forward op's inputs
-    that autograd would record (refused under grad mode, see :func:`refuse_autograd`)."""
+    that autograd would record (refused under grad mode, see :func:`refuse_autograd`); ``views(plan, *args)``: the
+    backend's arguments (the 2-D views the op's adapter passes), the arguments themselves when None; ``via``: the
+    op's DirectOp, whose direct program writes contiguous outs in place where the extension is loaded."""
     call = planner(*args)
     if differentiable:
         refuse_autograd(op, *(args[i] for i in differentiable))
     expected = results(call.shape, *args)  # type: ignore[attr-defined]
     inputs = {name: a for name, a in zip(names, args) if isinstance(a, Tensor)}
-    outs = check_out(op, out, [(shape, dtype) for shape, dtype, _ in expected], expected[0][2].device, **inputs)
-    return run_into(call.backend.fn, args, outs, [None] * len(outs))  # type: ignore[attr-defined]
+    outs = check_out(op, out, [(r[0], r[1]) for r in expected], expected[0][2].device, **inputs)
+    backend_args = args if views is None else views(call.shape, *args)  # type: ignore[attr-defined]
+    shapes = [r[3] if len(r) > 3 else None for r in expected]
+    return run_into(call.backend.fn, backend_args, outs, shapes, via=via)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
 from ._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, native_call, own
-from ._out import check_out, run_into
+from ._out import Result, check_out, fake_of, run_into
 from ._plan import Planner
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
@@ -64,10 +64,13 @@ _embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embed
 _embedding_dense_backward.planner = plan_embedding_dense_backward
 
 
-@_embedding_dense_backward.register_fake
-def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
-    check_embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-    return grad.new_empty((num_weights, grad.shape[-1]))
+def _table_results(plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                   scale_grad_by_freq: bool) -> list[Result]:
+    """The op's result, declared once (its fake kernel; ``out=`` below also takes a float32 table beside half grad)."""
+    return [((num_weights, grad.shape[-1]), grad.dtype, grad)]
+
+
+_embedding_dense_backward.register_fake(fake_of(check_embedding_dense_backward, _table_results))
 
 
 def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
@@ -127,10 +130,11 @@ def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_gra
 _embedding = DirectOp("gradops::embedding", _embedding_body)
 
 
-@_embedding.register_fake
-def _(weight, indices, padding_idx, scale_grad_by_freq):
-    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
-    return weight.new_empty((*indices.shape, weight.shape[1]))
+def _lookup_results(plan, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> list[Result]:
+    return [((*indices.shape, weight.shape[1]), weight.dtype, weight)]
+
+
+_embedding.register_fake(fake_of(check_embedding, _lookup_results))
 
 
 def _embedding_setup(ctx, inputs, output):

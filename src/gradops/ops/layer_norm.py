@@ -14,7 +14,7 @@ from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
 from ._direct import BODY, DirectOp, _records, eager_path, fit, native_call, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import check_out, refuse_autograd, run_into
+from ._out import Result, fake_of, into
 from ._plan import Planner
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
@@ -25,8 +25,47 @@ check_layer_norm_grad = remembered(contract.check_layer_norm_grad)
 check_layer_norm_grad_beta = remembered(contract.check_layer_norm_grad_beta)
 
 
+# What each op returns and what its backends take (2-D views), declared once: the fake kernels, out= and the
+# adapters follow from these.
+def _results(plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> list[Result]:
+    stat, acc = x.shape[:-1], accumulator(x.dtype)
+    return [(x.shape, x.dtype, x, (plan.rows, plan.cols)), (stat, acc, x, (plan.rows,)), (stat, acc, x, (plan.rows,))]
+
+
+def _views(plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple:
+    return fit(x, (plan.rows, plan.cols)), gamma, beta, epsilon
+
+
+def _grad_results(plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
+                  epsilon: float) -> list[Result]:
+    return [(x.shape, x.dtype, x, (plan.rows, plan.cols))] * 2
+
+
+def _grad_views(plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float) -> tuple:
+    rows, cols = plan
+    return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma, epsilon
+
+
+def _beta_results(plan, res_for_gamma: Tensor, dy: Tensor) -> list[Result]:
+    return [(dy.shape[-1:], dy.dtype, dy)] * 2
+
+
+def _beta_views(plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    return fit(res_for_gamma, (plan.rows, plan.cols)), fit(dy, (plan.rows, plan.cols))
+
+
+def _backward_results(plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
+    acc = accumulator(x.dtype)
+    return [(x.shape, x.dtype, x, (plan.rows, plan.cols)), (gamma.shape, acc, gamma), (gamma.shape, acc, gamma)]
+
+
+def _backward_views(plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+    rows, cols = plan
+    return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)), gamma
+
+
 def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    y, mean, var = fn(fit(x, (plan.rows, plan.cols)), gamma, beta, epsilon)
+    y, mean, var = fn(*_views(plan, x, gamma, beta, epsilon))
     stat = x.shape[:-1]
     return own(fit(y, x.shape), fit(mean, stat), fit(var, stat))
 
@@ -52,18 +91,12 @@ _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
 _layer_norm.planner = plan_layer_norm
 
 
-@_layer_norm.register_fake
-def _(x, gamma, beta, epsilon):
-    check_layer_norm(x, gamma, beta, epsilon)
-    stat = x.new_empty(x.shape[:-1], dtype=accumulator(x.dtype))
-    return x.new_empty(x.shape), stat, torch.empty_like(stat)
+_layer_norm.register_fake(fake_of(check_layer_norm, _results))
 
 
 def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                         epsilon: float) -> tuple[Tensor, Tensor]:
-    rows, cols = plan
-    pdx, res = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma,
-                  epsilon)
+    pdx, res = fn(*_grad_views(plan, dy, x, variance, mean, gamma, epsilon))
     # After the kernels (statistics are values, never addresses): on CUDA the flag is then raised by a later call.
     checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
     return own(fit(pdx, x.shape), fit(res, x.shape))
@@ -83,15 +116,11 @@ _layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
 _layer_norm_grad.planner = plan_layer_norm_grad
 
 
-@_layer_norm_grad.register_fake
-def _(dy, x, variance, mean, gamma, epsilon):
-    check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+_layer_norm_grad.register_fake(fake_of(check_layer_norm_grad, _grad_results))
 
 
 def _layer_norm_grad_beta_2d(fn, plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    rows, cols = plan
-    return own(*fn(fit(res_for_gamma, (rows, cols)), fit(dy, (rows, cols))))
+    return own(*fn(*_beta_views(plan, res_for_gamma, dy)))
 
 
 plan_layer_norm_grad_beta = Planner("layer_norm_grad_beta", contract.check_layer_norm_grad_beta, device_arg=1,
@@ -107,17 +136,12 @@ _layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_gr
 _layer_norm_grad_beta.planner = plan_layer_norm_grad_beta
 
 
-@_layer_norm_grad_beta.register_fake
-def _(res_for_gamma, dy):
-    check_layer_norm_grad_beta(res_for_gamma, dy)
-    return dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
+_layer_norm_grad_beta.register_fake(fake_of(check_layer_norm_grad_beta, _beta_results))
 
 
 def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                             check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    rows, cols = plan
-    dx, dgamma, dbeta = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)),
-                           gamma)
+    dx, dgamma, dbeta = fn(*_backward_views(plan, dy, x, mean, rstd, gamma))
     if check_statistics:  # after the kernels, as in _layer_norm_grad_2d
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     return own(fit(dx, x.shape), dgamma, dbeta)
@@ -137,11 +161,7 @@ _layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_back
 _layer_norm_backward.planner = plan_layer_norm_backward
 
 
-@_layer_norm_backward.register_fake
-def _(dy, x, mean, rstd, gamma):
-    check_layer_norm_backward(dy, x, mean, rstd, gamma)
-    acc = accumulator(x.dtype)
-    return x.new_empty(x.shape), gamma.new_empty(gamma.shape, dtype=acc), gamma.new_empty(gamma.shape, dtype=acc)
+_layer_norm_backward.register_fake(fake_of(check_layer_norm_backward, _backward_results))
 
 
 def _layer_norm_backward_formula(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -239,18 +259,6 @@ def layer_norm_output(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) ->
     return layer_norm(x, gamma, beta, epsilon)[0]
 
 
-#: Each op's DirectOp by name, for ``out=`` calls (their backend arguments are the op's own, 2-D).
-_DIRECT = {"layer_norm": _layer_norm, "layer_norm_grad": _layer_norm_grad,
-           "layer_norm_grad_beta": _layer_norm_grad_beta, "layer_norm_backward": _layer_norm_backward}
-
-
-def _into(op: str, plan, device: torch.device, args: tuple, out, specs: list, shapes: list, **inputs: Tensor):
-    """The ``out=`` path of every op here: validate out, write with the plan's backend (see
-    :mod:`gradops.ops._out`)."""
-    outs = check_out(op, out, specs, device, **inputs)
-    return run_into(plan.backend.fn, args, outs, shapes, via=_DIRECT[op])
-
-
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
                out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm over the last dim, differentiable through the fused :func:`layer_norm_backward`.
@@ -264,12 +272,8 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
     if out is not None:
         if _layer_norm.direct_into(out, x, gamma, beta, epsilon):  # the common out= call (see DirectOp.direct_into)
             return tuple(out)
-        plan = plan_layer_norm(x, gamma, beta, epsilon)
-        rows, cols = plan.shape
-        refuse_autograd("layer_norm", x, gamma, beta)
-        stat = (x.shape[:-1], accumulator(x.dtype))
-        return _into("layer_norm", plan, x.device, (x.reshape(rows, cols), gamma, beta, epsilon), out,
-                     [(x.shape, x.dtype), stat, stat], [(rows, cols), (rows,), (rows,)], x=x, gamma=gamma, beta=beta)
+        return into("layer_norm", plan_layer_norm, _results, ("x", "gamma", "beta"), (x, gamma, beta, epsilon), out,
+                    (0, 1, 2), views=_views, via=_layer_norm)
     return _layer_norm(x, gamma, beta, epsilon, check=check_layer_norm)
 
 
@@ -289,13 +293,11 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     if out is not None:
         if _layer_norm_grad.direct_into(out, dy, x, variance, mean, gamma, epsilon):
             return tuple(out)
-        plan = plan_layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
-        rows, cols = plan.shape
+        args = (dy, x, variance, mean, gamma, epsilon)
+        plan_layer_norm_grad(*args)  # refusals first, as the call without out=
         checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
-        args = (dy.reshape(rows, cols), x.reshape(rows, cols), variance.reshape(rows), mean.reshape(rows), gamma,
-                epsilon)
-        return _into("layer_norm_grad", plan, x.device, args, out, [(x.shape, x.dtype)] * 2, [(rows, cols)] * 2,
-                     dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
+        return into("layer_norm_grad", plan_layer_norm_grad, _grad_results, ("dy", "x", "variance", "mean", "gamma"),
+                    args, out, views=_grad_views, via=_layer_norm_grad)
     return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon, check=check_layer_norm_grad)
 
 
@@ -307,11 +309,8 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     if out is not None:
         if _layer_norm_grad_beta.direct_into(out, res_for_gamma, dy):
             return tuple(out)
-        plan = plan_layer_norm_grad_beta(res_for_gamma, dy)
-        rows, cols = plan.shape
-        args = (res_for_gamma.reshape(rows, cols), dy.reshape(rows, cols))
-        return _into("layer_norm_grad_beta", plan, dy.device, args, out, [(dy.shape[-1:], dy.dtype)] * 2, [None, None],
-                     res_for_gamma=res_for_gamma, dy=dy)
+        return into("layer_norm_grad_beta", plan_layer_norm_grad_beta, _beta_results, ("res_for_gamma", "dy"),
+                    (res_for_gamma, dy), out, views=_beta_views, via=_layer_norm_grad_beta)
     return _layer_norm_grad_beta(res_for_gamma, dy, check=check_layer_norm_grad_beta)
 
 
@@ -336,11 +335,9 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     if out is not None:
         if _layer_norm_backward.direct_into(out, dy, x, mean, rstd, gamma):
             return tuple(out)
-        plan = plan_layer_norm_backward(dy, x, mean, rstd, gamma)
-        rows, cols = plan.shape
+        args = (dy, x, mean, rstd, gamma)
+        plan_layer_norm_backward(*args)  # refusals first, as the call without out=
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
-        args = (dy.reshape(rows, cols), x.reshape(rows, cols), mean.reshape(rows), rstd.reshape(rows), gamma)
-        grads = (gamma.shape, accumulator(x.dtype))
-        return _into("layer_norm_backward", plan, x.device, args, out, [(x.shape, x.dtype), grads, grads],
-                     [(rows, cols), None, None], dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
+        return into("layer_norm_backward", plan_layer_norm_backward, _backward_results,
+                    ("dy", "x", "mean", "rstd", "gamma"), args, out, views=_backward_views, via=_layer_norm_backward)
     return _layer_norm_backward(dy, x, mean, rstd, gamma, check=check_layer_norm_backward)

@@ -12,7 +12,7 @@ from ..contract import moe_permute as contract
 from ..contract._memo import remembered
 from ..contract.moe_permute import check_restore_shape
 from ._direct import BODY, DirectOp, eager_path, own
-from ._out import check_out, refuse_autograd, run_into
+from ._out import Result, fake_of, into
 from ._plan import Planner
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
@@ -23,12 +23,56 @@ check_moe_token_unpermute = remembered(contract.check_moe_token_unpermute)
 check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_grad)
 
 
+# What each op returns and what its backends take, declared once: the fake kernels, out= and the adapters follow
+# from these.
+def _permute_results(plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+                     padded_mode: bool) -> list[Result]:
+    return [((plan.rows, plan.hidden), tokens.dtype, tokens), ((plan.tokens * plan.topk,), torch.int32, indices)]
+
+
+def _permute_views(plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None, padded_mode: bool) -> tuple:
+    return tokens, indices, plan.rows
+
+
+def _permute_grad_results(plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                          padded_mode: bool) -> list[Result]:
+    return [((plan.tokens, plan.hidden), permuted_output_grad.dtype, permuted_output_grad)]
+
+
+def _permute_grad_views(plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+                        padded_mode: bool = False) -> tuple:
+    return permuted_output_grad, sorted_indices, num_topk
+
+
+def _unpermute_results(plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                       padded_mode: bool) -> list[Result]:
+    return [((plan.tokens, plan.hidden), permuted_tokens.dtype, permuted_tokens)]
+
+
+def _unpermute_views(plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                     padded_mode: bool = False) -> tuple:
+    return permuted_tokens, sorted_indices, probs
+
+
+def _unpermute_grad_results(plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                            probs: Tensor | None, padded_mode: bool) -> list[Result]:
+    """Without probs the probs gradient is an empty (0,) tensor of permuted_tokens' dtype (torch_npu's schema)."""
+    d_probs = ((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else \
+        ((plan.tokens, plan.topk), probs.dtype, probs)
+    return [((plan.rows, plan.hidden), permuted_tokens.dtype, permuted_tokens), d_probs]
+
+
+def _unpermute_grad_views(plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                          probs: Tensor | None, padded_mode: bool = False) -> tuple:
+    return permuted_tokens, grad_unpermuted, sorted_indices, probs
+
+
 def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                      padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The backend, which tests the indices where it reads them: a permutation of [0, T·K), or with ``checked``
     (the forward's own output, a permutation by construction) only their range, skipping the repeat test that on
     CUDA is a device sort."""
-    return own(fn(permuted_output_grad, sorted_indices, num_topk, trusted=checked))
+    return own(fn(*_permute_grad_views(plan, permuted_output_grad, sorted_indices, num_topk), trusted=checked))
 
 
 plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
@@ -45,15 +89,12 @@ _moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token
 _moe_token_permute_grad.planner = plan_moe_token_permute_grad
 
 
-@_moe_token_permute_grad.register_fake
-def _(permuted_output_grad, sorted_indices, num_topk, padded_mode):
-    plan = check_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
-    return permuted_output_grad.new_empty((plan.tokens, plan.hidden))
+_moe_token_permute_grad.register_fake(fake_of(check_moe_token_permute_grad, _permute_grad_results))
 
 
 def _permute_2d(fn, plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                 padded_mode: bool) -> tuple[Tensor, Tensor]:
-    return own(*fn(tokens, indices, plan.rows))
+    return own(*fn(*_permute_views(plan, tokens, indices, num_out_tokens, padded_mode)))
 
 
 plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d,
@@ -70,11 +111,7 @@ _moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_b
 _moe_token_permute.planner = plan_moe_token_permute
 
 
-@_moe_token_permute.register_fake
-def _(tokens, indices, num_out_tokens, padded_mode):
-    plan = check_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
-    return tokens.new_empty((plan.rows, plan.hidden)), indices.new_empty((plan.tokens * plan.topk,),
-                                                                          dtype=torch.int32)
+_moe_token_permute.register_fake(fake_of(check_moe_token_permute, _permute_results))
 
 
 def _setup(ctx, inputs, output):
@@ -124,12 +161,8 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
     if out is not None:
         if _moe_token_permute.direct_into(out, tokens, indices, num_out_tokens, padded_mode):  # DirectOp.direct_into
             return tuple(out)
-        call = plan_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
-        plan = call.shape
-        refuse_autograd("moe_token_permute", tokens)
-        specs = [((plan.rows, plan.hidden), tokens.dtype), ((plan.tokens * plan.topk,), torch.int32)]
-        outs = check_out("moe_token_permute", out, specs, tokens.device, tokens=tokens, indices=indices)
-        return run_into(call.backend.fn, (tokens, indices, plan.rows), outs, [None, None])
+        return into("moe_token_permute", plan_moe_token_permute, _permute_results, ("tokens", "indices"),
+                    (tokens, indices, num_out_tokens, padded_mode), out, (0,), views=_permute_views)
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode, check=check_moe_token_permute)
 
 
@@ -154,12 +187,9 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
     if out is not None:
         if _moe_token_permute_grad.direct_into(out, permuted_output_grad, sorted_indices, num_topk, padded_mode):
             return out
-        call = plan_moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
-        plan = call.shape
-        specs = [((plan.tokens, plan.hidden), permuted_output_grad.dtype)]
-        outs = check_out("moe_token_permute_grad", out, specs, permuted_output_grad.device,
-                         permuted_output_grad=permuted_output_grad, sorted_indices=sorted_indices)
-        return run_into(call.backend.fn, (permuted_output_grad, sorted_indices, num_topk), outs, [None])[0]
+        return into("moe_token_permute_grad", plan_moe_token_permute_grad, _permute_grad_results,
+                    ("permuted_output_grad", "sorted_indices"), (permuted_output_grad, sorted_indices, num_topk,
+                                                                 padded_mode), out, views=_permute_grad_views)[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
                                    check=check_moe_token_permute_grad)
 
@@ -167,7 +197,7 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
 # ---------------------------------------------------------------- unpermute
 def _unpermute_2d(fn, plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                   padded_mode: bool = False) -> Tensor:
-    return own(fn(permuted_tokens, sorted_indices, probs))  # the backend checks the permutation
+    return own(fn(*_unpermute_views(plan, permuted_tokens, sorted_indices, probs)))  # it checks the permutation
 
 
 plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d,
@@ -184,10 +214,7 @@ _moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unper
 _moe_token_unpermute.planner = plan_moe_token_unpermute
 
 
-@_moe_token_unpermute.register_fake
-def _(permuted_tokens, sorted_indices, probs, padded_mode):
-    plan = check_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
-    return permuted_tokens.new_empty((plan.tokens, plan.hidden))
+_moe_token_unpermute.register_fake(fake_of(check_moe_token_unpermute, _unpermute_results))
 
 
 def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -200,7 +227,8 @@ def _unpermute_grad_2d(fn, plan, permuted_tokens: Tensor, grad_unpermuted: Tenso
                        probs: Tensor | None, padded_mode: bool = False, *, trusted: bool = False
                        ) -> tuple[Tensor, Tensor]:
     """The backend; ``trusted``: sorted_indices is a permutation its forward checked (the backend skips its test)."""
-    return own(*fn(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted))
+    return own(*fn(*_unpermute_grad_views(plan, permuted_tokens, grad_unpermuted, sorted_indices, probs),
+                   trusted=trusted))
 
 
 plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.check_moe_token_unpermute_grad,
@@ -211,11 +239,7 @@ _moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_t
 _moe_token_unpermute_grad.planner = plan_moe_token_unpermute_grad
 
 
-@_moe_token_unpermute_grad.register_fake
-def _(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
-    plan = check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
-    d_probs = permuted_tokens.new_empty(0) if probs is None else probs.new_empty((plan.tokens, plan.topk))
-    return permuted_tokens.new_empty((plan.rows, plan.hidden)), d_probs
+_moe_token_unpermute_grad.register_fake(fake_of(check_moe_token_unpermute_grad, _unpermute_grad_results))
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -280,13 +304,10 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     if out is not None:
         if _moe_token_unpermute.direct_into(out, permuted_tokens, sorted_indices, probs, padded_mode):
             return out
-        call = plan_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
-        plan = call.shape
-        refuse_autograd("moe_token_unpermute", permuted_tokens, probs)
-        outs = check_out("moe_token_unpermute", out, [((plan.tokens, plan.hidden), permuted_tokens.dtype)],
-                         permuted_tokens.device, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices,
-                         probs=probs)
-        return run_into(call.backend.fn, (permuted_tokens, sorted_indices, probs), outs, [None])[0]
+        return into("moe_token_unpermute", plan_moe_token_unpermute, _unpermute_results,
+                    ("permuted_tokens", "sorted_indices", "probs"), (permuted_tokens, sorted_indices, probs,
+                                                                     padded_mode), out, (0, 2),
+                    views=_unpermute_views)[0]
     return _moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, check=check_moe_token_unpermute)
 
 
@@ -317,13 +338,9 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
         if _moe_token_unpermute_grad.direct_into(out, permuted_tokens, grad_unpermuted, sorted_indices, probs,
                                                  padded_mode):
             return tuple(out)
-        call = plan_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
-        plan = call.shape
-        probs_spec = ((0,), permuted_tokens.dtype) if probs is None else ((plan.tokens, plan.topk), probs.dtype)
-        outs = check_out("moe_token_unpermute_grad", out, [((plan.rows, plan.hidden), permuted_tokens.dtype),
-                                                           probs_spec], permuted_tokens.device,
-                         permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
-                         sorted_indices=sorted_indices, probs=probs)
-        return run_into(call.backend.fn, (permuted_tokens, grad_unpermuted, sorted_indices, probs), outs, [None, None])
+        return into("moe_token_unpermute_grad", plan_moe_token_unpermute_grad, _unpermute_grad_results,
+                    ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs"),
+                    (permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode), out,
+                    views=_unpermute_grad_views)
     return _moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode,
                                      check=check_moe_token_unpermute_grad)

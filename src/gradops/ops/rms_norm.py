@@ -13,7 +13,7 @@ from ..contract._common import accumulator
 from ..contract._memo import remembered
 from ._direct import DirectOp, fit, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import check_out, refuse_autograd, run_into
+from ._out import Result, fake_of, into
 from ._plan import Planner
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
@@ -22,9 +22,30 @@ check_rms_norm = remembered(contract.check_rms_norm)
 check_rms_norm_grad = remembered(contract.check_rms_norm_grad)
 
 
-def _rms_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+# What each op returns and what its backends take, declared once: the fake kernel, out= and the adapter below
+# follow from these.
+def _grad_results(plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
     rows, cols, _ = plan
-    dx, dgamma = fn(fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,)))
+    return [(dy.shape, dy.dtype, dy, (rows, cols)), (gamma.shape, accumulator(dy.dtype), gamma, (cols,))]
+
+
+def _grad_views(plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+    rows, cols, _ = plan
+    return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,))
+
+
+def _results(plan, x: Tensor, gamma: Tensor, epsilon: float) -> list[Result]:
+    rows, cols, rstd_shape = plan
+    return [(x.shape, x.dtype, x, (rows, cols)), (rstd_shape, accumulator(x.dtype), x, (rows,))]
+
+
+def _views(plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple:
+    rows, cols, _ = plan
+    return fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon
+
+
+def _rms_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    dx, dgamma = fn(*_grad_views(plan, dy, x, rstd, gamma))
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
@@ -41,10 +62,7 @@ _rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
 _rms_norm_grad.planner = plan_rms_norm_grad
 
 
-@_rms_norm_grad.register_fake
-def _(dy, x, rstd, gamma):
-    check_rms_norm_grad(dy, x, rstd, gamma)
-    return dy.new_empty(dy.shape), gamma.new_empty(gamma.shape, dtype=accumulator(dy.dtype))
+_rms_norm_grad.register_fake(fake_of(check_rms_norm_grad, _grad_results))
 
 
 def _rms_norm_grad_formula(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -66,9 +84,8 @@ _rms_norm_grad.register_autograd(_rms_norm_grad_backward, setup_context=save_inp
 
 
 def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    rows, cols, rstd_shape = plan
-    y, rstd = fn(fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon)
-    return own(fit(y, x.shape), fit(rstd, rstd_shape))
+    y, rstd = fn(*_views(plan, x, gamma, epsilon))
+    return own(fit(y, x.shape), fit(rstd, plan.rstd_shape))
 
 
 plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d, program="rms_norm")
@@ -83,10 +100,7 @@ _rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
 _rms_norm.planner = plan_rms_norm
 
 
-@_rms_norm.register_fake
-def _(x, gamma, epsilon):
-    plan = check_rms_norm(x, gamma, epsilon)
-    return x.new_empty(x.shape), x.new_empty(plan.rstd_shape, dtype=accumulator(x.dtype))
+_rms_norm.register_fake(fake_of(check_rms_norm, _results))
 
 
 def _setup(ctx, inputs, output):
@@ -110,25 +124,6 @@ def _backward(ctx, dy, drstd):
 _rms_norm.register_autograd(_backward, setup_context=_setup)
 
 
-def _rms_norm_into(x: Tensor, gamma: Tensor, epsilon: float, out) -> tuple[Tensor, Tensor]:
-    plan = plan_rms_norm(x, gamma, epsilon)
-    (rows, cols, rstd_shape), backend = plan.shape, plan.backend
-    refuse_autograd("rms_norm", x, gamma)
-    outs = check_out("rms_norm", out, [(x.shape, x.dtype), (rstd_shape, accumulator(x.dtype))], x.device, x=x,
-                     gamma=gamma)
-    return run_into(backend.fn, (x.reshape(rows, cols), gamma.reshape(cols), epsilon), outs, [(rows, cols), (rows,)],
-                    via=_rms_norm)
-
-
-def _rms_norm_grad_into(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, out) -> tuple[Tensor, Tensor]:
-    plan = plan_rms_norm_grad(dy, x, rstd, gamma)
-    (rows, cols, _), backend = plan.shape, plan.backend
-    outs = check_out("rms_norm_grad", out, [(dy.shape, dy.dtype), (gamma.shape, accumulator(dy.dtype))], x.device,
-                     dy=dy, x=x, rstd=rstd, gamma=gamma)
-    args = (dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols))
-    return run_into(backend.fn, args, outs, [(rows, cols), (cols,)], via=_rms_norm_grad)
-
-
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor]:
     """RmsNorm forward (aclnnRmsNorm), differentiable through :func:`rms_norm_grad`.
@@ -146,7 +141,8 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
     if out is not None:
         if _rms_norm.direct_into(out, x, gamma, epsilon):  # the common out= call (see DirectOp.direct_into)
             return tuple(out)
-        return _rms_norm_into(x, gamma, epsilon, out)
+        return into("rms_norm", plan_rms_norm, _results, ("x", "gamma"), (x, gamma, epsilon), out, (0, 1),
+                    views=_views, via=_rms_norm)
     return _rms_norm(x, gamma, epsilon, check=check_rms_norm)
 
 
@@ -177,5 +173,6 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
     if out is not None:
         if _rms_norm_grad.direct_into(out, dy, x, rstd, gamma):
             return tuple(out)
-        return _rms_norm_grad_into(dy, x, rstd, gamma, out)
+        return into("rms_norm_grad", plan_rms_norm_grad, _grad_results, ("dy", "x", "rstd", "gamma"),
+                    (dy, x, rstd, gamma), out, views=_grad_views, via=_rms_norm_grad)
     return _rms_norm_grad(dy, x, rstd, gamma, check=check_rms_norm_grad)
