@@ -287,6 +287,25 @@ def test_embedding_kernel_refuses_bad_indices(bad):
         launch.embedding_dense_backward(torch.randn(2, 3), torch.tensor([0, 0]), 0, -1, False)
 
 
+
+def test_public_embedding_backward_tests_integer_indices_once(monkeypatch):
+    """On the Triton backend the public function leaves the range test of integer indices to the launcher (on CUDA
+    the ops layer's own test is six more device calls per call): the refusal is the same OpError; float indices
+    (truncated, NaN refused) still take the ops layer's test."""
+    import importlib
+
+    module = importlib.import_module("gradops.ops.embedding")
+    calls = []
+    real = module.checked_indices
+    monkeypatch.setattr(module, "checked_indices", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    with pytest.raises(gradops.OpError, match="got 12 at flat position 1"):
+        gradops.embedding_dense_backward(torch.randn(3, 4), torch.tensor([1, 12, 2]), 10)
+    ok = gradops.embedding_dense_backward(torch.randn(3, 4), torch.tensor([1, 5, 2]), 10)
+    assert ok.shape == (10, 4) and calls == []
+    with pytest.raises(gradops.OpError, match="got nan at flat position 2"):
+        gradops.embedding_dense_backward(torch.randn(3, 4), torch.tensor([1.0, 5.5, float("nan")]), 10)
+    assert calls == [torch.float32]
+
 @pytest.mark.parametrize("bad", [8, -1], ids=["at-TK", "negative"])
 def test_moe_grad_kernel_refuses_bad_sorted_indices(bad, launches):
     si = torch.tensor([0, 1, 2, bad, 4, 5, 6, 7], dtype=torch.int32)
