@@ -273,6 +273,20 @@ def test_embedding_forward_bad_index_reported_without_a_sync():
 
 
 @gpu
+def test_embedding_bad_index_on_the_torch_backend_refused_at_once(monkeypatch):
+    """Where nothing would raise a deferred refusal (the torch backend launches no Triton kernel), the range test
+    synchronises and refuses at once, forward and backward, as on the CPU."""
+    import gradops
+
+    monkeypatch.setenv("GRADOPS_BACKEND", "torch")
+    idx = torch.tensor([1, 12], device="cuda")
+    with pytest.raises(gradops.OpError, match="got 12 at flat position 1"):
+        gradops.embedding(torch.randn(10, 4, device="cuda"), idx)
+    with pytest.raises(gradops.OpError, match="got 12 at flat position 1"):
+        gradops.embedding_dense_backward(torch.randn(2, 4, device="cuda"), idx, 10)
+    gradops.synchronize()  # nothing deferred
+
+@gpu
 def test_layer_norm_grad_bad_variance_reported_without_a_sync():
     """A variance below -epsilon (a swapped mean) on CUDA: flagged on the device after the kernels, raised by
     gradops.synchronize()."""

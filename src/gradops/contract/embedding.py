@@ -120,10 +120,12 @@ def index_error(value: object, position: int, num_weights: int, op: str = "embed
                 f"{value} at flat position {position}")
 
 
-def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward") -> torch.Tensor:
+def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embedding_dense_backward", *,
+                    defer: bool = False) -> torch.Tensor:
     """Flat int64 indices after CANN's conversion (floats truncated toward zero), refused unless all lie in
-    ``[0, num_weights)``: one host synchronisation (the range test); NaN and inf are refused too. Integer indices
-    on CUDA are tested without one: clamped into ``[0, num_weights)`` for the kernels, the refusal raised
+    ``[0, num_weights)``: one host synchronisation (the range test); NaN and inf are refused too. With ``defer``
+    (a caller whose later work runs gradops' Triton launches, which raise deferred refusals), integer indices on
+    CUDA are tested without one: clamped into ``[0, num_weights)`` for the kernels, the refusal raised
     asynchronously (see the comment inside)."""
     flat = indices.reshape(-1)
     if flat.is_floating_point():
@@ -134,7 +136,7 @@ def checked_indices(indices: torch.Tensor, num_weights: int, op: str = "embeddin
                 _refuse(indices, bad, num_weights, op)
         return flat.long()
     flat = flat.long()
-    if flat.numel() and num_weights > 0 and flat.device.type == "cuda":
+    if defer and flat.numel() and num_weights > 0 and flat.device.type == "cuda":
         guard = _device_guard()
         if guard is not None:
             # CUDA: no host synchronisation. The rows read or written are clamped into the table, and the range

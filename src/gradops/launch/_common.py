@@ -54,6 +54,8 @@ def guard(bad: Tensor, error: Callable[[], Exception]) -> None:
         if bool(bad):
             raise error()
         return
+    if _PENDING:  # the completed flags first: a program that only records flags (inference) keeps the queue short
+        raise_pending()
     flag = torch.empty((), dtype=bad.dtype, pin_memory=True)
     flag.copy_(bad, non_blocking=True)
     event = torch.cuda.Event()
@@ -63,7 +65,9 @@ def guard(bad: Tensor, error: Callable[[], Exception]) -> None:
 
 
 def raise_pending(wait: bool = False) -> None:
-    """Raise the first error among completed index checks (all checks when ``wait``; that waits for the device)."""
+    """Raise the first error among completed index checks (all checks when ``wait``; that waits for the device).
+    The flags still queued are dropped with it: one bad index is often flagged twice (the forward's range test,
+    then the backward's), and a step that failed once should not fail again in the next, unrelated call."""
     while _PENDING:
         with _PENDING_LOCK:
             if not _PENDING:
@@ -74,6 +78,8 @@ def raise_pending(wait: bool = False) -> None:
             _PENDING.popleft()
         event.synchronize()
         if bool(flag):
+            with _PENDING_LOCK:
+                _PENDING.clear()
             raise _built(error)
 
 

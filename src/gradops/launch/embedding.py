@@ -76,20 +76,6 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     # there are is the count below 0 (offs[0]) plus the count >= V; flagged after the launch (see guard).
     guard(offs[0] + (n - offs[num_weights]), lambda: _range_error(idx, num_weights))
     return out
-    keys, perm, queries, offs = carve(workspace, grad.device, _specs(n, num_weights))
-    torch.sort(idx, stable=True, out=(keys, perm))
-    torch.arange(num_weights + 1, out=queries)
-    torch.searchsorted(keys, queries, out=offs)
-    pad = padding_idx if 0 <= padding_idx < num_weights else -1
-    cfg = config or embedding_config(dim)
-    grid = (triton.cdiv(num_weights, cfg.rows_per_program), triton.cdiv(dim, cfg.block_e))
-    launch(embedding_dense_backward_kernel, grid, grad, perm, offs, out, num_weights, dim, grad.stride(0),
-           grad.stride(1), pad, cfg.rows_per_program, SCALE=bool(scale_grad_by_freq), BLOCK_T=cfg.block_t,
-           BLOCK_E=cfg.block_e, num_warps=cfg.num_warps)
-    # The kernel reads only sorted positions in [offs[0], offs[V]), i.e. indices in [0, V): an index outside the
-    # table is never used to address memory. How many there are is the count below 0 plus the count >= V.
-    guard(offs[0] + (n - offs[num_weights]), lambda: _range_error(idx, num_weights))
-    return out
 
 
 #: The range test above runs on every call (no host synchronisation): the ops layer skips its own for integer indices.

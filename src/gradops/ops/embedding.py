@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import native
+from .. import backend, native
 from ..contract import embedding as contract
 from ..contract._common import accumulator
 from ..contract._memo import remembered
@@ -128,7 +128,11 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
 def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
     check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
-    idx = checked_indices(indices, weight.shape[0], op="embedding")
+    # On CUDA with the Triton backend the range test raises asynchronously (no host synchronisation per step):
+    # the backward's launch, any later gradops launch or check, or gradops.synchronize() reports it. Elsewhere
+    # (CPU, the torch backend, which launches nothing that would) it refuses at once.
+    defer = indices.is_cuda and backend.choose("embedding_dense_backward", indices.device).name == "triton"
+    idx = checked_indices(indices, weight.shape[0], op="embedding", defer=defer)
     return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
 
 
