@@ -113,3 +113,37 @@ def test_dropped_rows_are_still_allowed(backend):
     got = _backend_impl(backend, "moe_token_permute_grad")(grad, si, 2)
     want = reference.moe_token_permute_grad(grad, si, 2)
     assert torch.equal(got, want)
+
+
+def test_deferred_flags_raise_once_then_drop_the_rest(monkeypatch):
+    """The CUDA path of gradops.launch._common, with stand-in events (CPU torch has no CUDA): the first completed bad
+    flag raises and drops every flag still queued (one bad index is flagged by the forward and by the backward); a
+    completed good flag leaves the queue, one still in flight stays."""
+    from collections import deque
+
+    pytest.importorskip("triton")
+    from gradops.launch import _common
+
+    class Done:  # a completed CUDA event
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    class InFlight(Done):
+        def query(self) -> bool:
+            return False
+
+    def entry(bad: bool, event: Done | None = None):
+        return torch.tensor(int(bad)), event or Done(), lambda: RuntimeError("bad index")
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(_common, "_PENDING", deque([entry(False), entry(True), entry(True), entry(False, InFlight())]))
+    with pytest.raises(RuntimeError, match="bad index"):
+        _common.raise_pending()
+    assert not _common._PENDING
+    _common.raise_pending(wait=True)  # reported once
+    monkeypatch.setattr(_common, "_PENDING", deque([entry(False), entry(False, InFlight())]))
+    _common.raise_pending()
+    assert len(_common._PENDING) == 1
