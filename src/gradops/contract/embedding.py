@@ -3,7 +3,8 @@
 Sources: the seed (001) and hicann/ops-nn ``index/embedding_dense_grad_v2/op_api/aclnn_embedding_dense_backward.cpp``.
 Order: nulls (161001), dtypes, ranks, shapes (161002). The PyTorch API also takes a float64 grad / weight (as
 torch's embedding does); ``cann=True`` keeps CANN's three. Beyond CANN, which leaves out-of-range indices
-undefined, gradops refuses them (161002) before any kernel runs: no index is ever trusted.
+undefined, gradops refuses them (161002), and no memory is ever addressed with one: before any kernel runs, or
+on CUDA with the Triton backend from the device without a host synchronisation (:func:`checked_indices`).
 """
 
 from __future__ import annotations

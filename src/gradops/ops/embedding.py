@@ -89,7 +89,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         grad: (..., E) with 2 to 8 dims whose leading dims flatten to ``indices.numel()``; float16 / bfloat16 /
             float32, or float64 (beyond CANN: summed in float64).
         indices: any of the seed's nine dtypes; floats are truncated toward zero, bool reads as 0/1. Every
-            value must lie in ``[0, num_weights)`` (else OpError 161002; nothing is read or written).
+            value must lie in ``[0, num_weights)`` (else OpError 161002; no memory is addressed with it). On
+            CUDA with the Triton backend integer indices are tested on the device: the refusal comes at the next
+            gradops launch or ``gradops.synchronize()``, without a host synchronisation.
         num_weights: rows of the table (V).
         padding_idx: signed; a value outside ``[0, num_weights)``, e.g. the default -1, means no padding row
             (CANN's rule: Python's ``nn.Embedding`` normalisation of negatives does not apply here).
@@ -262,7 +264,9 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     Args:
         weight: (V, E) table, float16 / bfloat16 / float32 / float64.
         indices: 0 to 7 dims, any of the backward's nine index dtypes (floats truncated toward zero); every
-            value must lie in ``[0, V)`` (else OpError 161002).
+            value must lie in ``[0, V)`` (else OpError 161002; on CUDA with the Triton backend, integer indices are
+            tested on the device and refused at the next gradops launch or ``gradops.synchronize()``, the rows
+            read meanwhile clamped into the table).
         padding_idx: CANN's rule: a value in ``[0, V)`` names the row whose gradient stays zero; any other
             value, e.g. the default -1, means none. (``gradops.nn.Embedding`` normalises Python's negative
             ``padding_idx`` as ``torch.nn.Embedding`` does before calling this.)
