@@ -186,7 +186,8 @@ def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Seque
 #: One result of an op, as its declaration gives it: ``(shape, dtype, like)`` or ``(shape, dtype, like, view)``;
 #: ``like`` is a tensor on the result's device (the fake kernel's ``new_empty`` source), ``view`` the shape the
 #: backend writes the result in (its 2-D form, for ops whose backends take 2-D views), the result's own shape
-#: when absent.
+#: when absent. ``shape`` None: the result has ``like``'s shape and strides (``empty_like``, as an elementwise
+#: kernel writes it).
 Result = tuple
 
 
@@ -194,7 +195,8 @@ def fake_of(check: Callable[..., object], results: Callable[..., Sequence[Result
     """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)``: the check
     on the fake arguments, then an empty tensor per declared result."""
     def fake(*args: object) -> object:
-        made = [r[2].new_empty(tuple(r[0]), dtype=r[1]) for r in results(check(*args), *args)]
+        made = [torch.empty_like(r[2], dtype=r[1]) if r[0] is None else r[2].new_empty(tuple(r[0]), dtype=r[1])
+                for r in results(check(*args), *args)]
         return made[0] if len(made) == 1 else tuple(made)
     return fake
 
@@ -213,7 +215,8 @@ def into(op: str, planner: Callable[..., object], results: Callable[..., Sequenc
         refuse_autograd(op, *(args[i] for i in differentiable))
     expected = results(call.shape, *args)  # type: ignore[attr-defined]
     inputs = {name: a for name, a in zip(names, args) if isinstance(a, Tensor)}
-    outs = check_out(op, out, [(r[0], r[1]) for r in expected], expected[0][2].device, **inputs)
+    outs = check_out(op, out, [(r[2].shape if r[0] is None else r[0], r[1]) for r in expected], expected[0][2].device,
+                     **inputs)
     backend_args = args if views is None else views(call.shape, *args)  # type: ignore[attr-defined]
     shapes = [r[3] if len(r) > 3 else None for r in expected]
     return run_into(call.backend.fn, backend_args, outs, shapes, via=via)  # type: ignore[attr-defined]

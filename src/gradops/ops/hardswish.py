@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .. import native, reference
@@ -10,7 +9,7 @@ from ..contract import hardswish as contract
 from ..contract._memo import remembered
 from ._direct import DirectOp, native_call, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import check_out, refuse_autograd, run_into
+from ._out import Result, fake_of, into
 from ._plan import Planner
 
 
@@ -41,6 +40,11 @@ plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish
                                   native=_function_entry("hardswish_backward"), program="hardswish_backward")
 
 
+def _results(plan, *args: Tensor) -> list[Result]:
+    """Both ops' result, declared once: self's shape, dtype and strides (the kernels keep the layout)."""
+    return [(None, args[-1].dtype, args[-1])]
+
+
 def _run(plan, *args: Tensor) -> Tensor:
     """The plan's kernels on ``args``: through the extension (on torch's threads) where the plan has it and the
     tensors are contiguous, else the backend (any layout)."""
@@ -57,10 +61,7 @@ _hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backwar
 _hardswish_backward.planner = plan_hardswish_backward
 
 
-@_hardswish_backward.register_fake
-def _(grad_output, self):
-    check_hardswish_backward(grad_output, self)
-    return torch.empty_like(self)
+_hardswish_backward.register_fake(fake_of(check_hardswish_backward, _results))
 
 
 def _hardswish_backward_formula(grad_output: Tensor, self: Tensor) -> tuple[Tensor]:
@@ -85,10 +86,7 @@ _hardswish = DirectOp("gradops::hardswish", _hardswish_body)
 _hardswish.planner = plan_hardswish_forward
 
 
-@_hardswish.register_fake
-def _(self):
-    check_hardswish(self)
-    return torch.empty_like(self)
+_hardswish.register_fake(fake_of(check_hardswish, _results))
 
 
 def _setup(ctx, inputs, output):
@@ -122,10 +120,7 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     if out is not None:
         if _hardswish.direct_into(out, self):  # the common out= call, checked in C++ (see DirectOp.direct_into)
             return out
-        plan = plan_hardswish(self)
-        refuse_autograd("hardswish", self)
-        outs = check_out("hardswish", out, [(self.shape, self.dtype)], self.device, self=self)
-        return run_into(plan.backend.fn, (self,), outs, [None], via=_hardswish)[0]
+        return into("hardswish", plan_hardswish, _results, ("self",), (self,), out, (0,), via=_hardswish)[0]
     return _hardswish(self, check=check_hardswish)
 
 
@@ -158,8 +153,6 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
     if out is not None:
         if _hardswish_backward.direct_into(out, grad_output, self):
             return out
-        plan = plan_hardswish_backward(grad_output, self)
-        outs = check_out("hardswish_backward", out, [(self.shape, self.dtype)], self.device, grad_output=grad_output,
-                         self=self)
-        return run_into(plan.backend.fn, (grad_output, self), outs, [None], via=_hardswish_backward)[0]
+        return into("hardswish_backward", plan_hardswish_backward, _results, ("grad_output", "self"),
+                    (grad_output, self), out, via=_hardswish_backward)[0]
     return _hardswish_backward(grad_output, self, check=check_hardswish_backward)
