@@ -244,8 +244,8 @@ def test_a_stale_build_lock_is_removed_and_a_failure_noted(tmp_path, monkeypatch
 
 def test_a_failed_build_notes_the_compilers_errors(tmp_path, monkeypatch):
     """torch's builder puts the whole compiler command on its message's first line and the compiler's diagnostics
-    after it: FAILED keeps the compiler's ``error:`` lines (what a user must fix), not only the command's start (the
-    first GPU machine's note said only ``[1/9] /opt/gcc/bin/g++ -MMD ...``)."""
+    after it: FAILED keeps the compiler's ``error:`` lines (what a user must fix), not only the command's start
+    (``[1/9] /opt/gcc/bin/g++ -MMD ...``, which says nothing of what failed)."""
     import torch.utils.cpp_extension as cpp
 
     monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
