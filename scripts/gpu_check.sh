@@ -41,12 +41,12 @@ cd "$ROOT"
 # Worst case (every part at its limit): 100 + 45 + 45 + 120 + 110 + 40 + 15 = 475 s on a GPU, 300 s dry. The dry
 # run's parts take a seventh to a third of their limits on 2 idle cores (8-13 s each), up to 33 s beside the rest
 # of the test command on 2 busy cores, where the summary alone (3 s idle: torch, gradops and the PNGs) ran past
-# a 10 s limit. On an H100 (16 cores) the first run took: the GPU tier 22 s and check 22 s (both paying Triton's
-# first compile of each kernel and dtype; the cache is shared between the parts), bench 80 s (14 torch.compile
-# builds), the whole-model row 25 s; the sweep's ~100 cases ran past a 50 s limit after 48. The env part first
-# builds the CPU kernels for the machine's torch (9 C++ files, ~2 min on 2 cores, in parallel on the GPU machine's
-# 16), so that no later part's `import gradops` builds them inside its own limit; in the dry run they are built
-# already (the test command's set-up).
+# a 10 s limit. On an H100 (16 cores) the parts take: the GPU tier ~20 s and check ~20 s (both paying Triton's
+# first compile of each kernel and dtype; the cache is shared between the parts), bench 66-80 s (14 torch.compile
+# builds), the sweep's ~130 cases 69 s, the whole-model row 25-28 s. The env part first builds the CPU kernels for
+# the machine's torch (9 C++ files, ~2 min on 2 cores, 21 s on the GPU machine's 16), so that no later part's
+# `import gradops` builds them inside its own limit; in the dry run they are built already (the test command's
+# set-up).
 if [ "$DRY" = 1 ]; then
   limits=(40 40 40 60 50 50 20)
 else
