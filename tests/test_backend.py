@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 import gradops
 from gradops import backend, native, reference
+
+rms_ops = importlib.import_module("gradops.ops.rms_norm")
+hardswish_ops = importlib.import_module("gradops.ops.hardswish")
 
 #: What a failed build of the CPU kernels leaves behind (gradops.native.ensure_built), simulated.
 NOT_BUILT = "the native CPU kernels could not be built (CalledProcessError: simulated: no compiler)"
@@ -67,25 +72,30 @@ def test_a_named_backend_that_cannot_run_is_an_op_error_with_561003(monkeypatch)
     assert type(again) is type(err) and str(again) == str(err) and again.status == err.status
 
 
-def test_choose_remembers_per_environment_and_device(monkeypatch):
+def test_a_planner_remembers_its_choice_per_environment_and_device(monkeypatch):
+    """The backend decision is remembered beside an op's plans (ops/_plan.py): a new shape reuses it."""
     cpu = torch.device("cpu")
+    grad = rms_ops.plan_rms_norm_grad
+    args = lambda rows: (torch.randn(rows, 8), torch.randn(rows, 8), torch.rand(rows), torch.randn(8))  # noqa: E731
     monkeypatch.setenv("GRADOPS_BACKEND", "torch")
-    first = backend.choose("rms_norm_grad", cpu)
-    assert first == ("torch", reference.rms_norm_grad, None) and backend.choose("rms_norm_grad", cpu) is first
+    first = grad(*args(4)).backend
+    assert first == ("torch", reference.rms_norm_grad, None) and grad(*args(5)).backend is first
     monkeypatch.setenv("GRADOPS_BACKEND", "auto")  # another key: decided again, as decide() would
-    assert backend.choose("rms_norm_grad", cpu) == backend.decide("rms_norm_grad", cpu)
+    assert grad(*args(6)).backend == backend.decide("rms_norm_grad", cpu)
     monkeypatch.setenv("GRADOPS_BACKEND", "tpu")  # never remembered past a refusal
-    with pytest.raises(ValueError, match="tpu"):
-        backend.choose("rms_norm_grad", cpu)
+    for _ in range(2):
+        with pytest.raises(backend.BackendUnavailable, match="tpu"):
+            grad(*args(7))
 
 
-def test_choose_decides_again_when_the_backend_module_changes(monkeypatch):
+def test_a_planner_decides_again_when_the_backend_module_changes(monkeypatch):
     """A test that takes the CPU kernels away (below) must not leave auto on the reference afterwards."""
     import sys
 
-    cpu = torch.device("cpu")
+    plan = hardswish_ops.plan_hardswish_backward
+    x = torch.randn(4, 8)
     monkeypatch.setenv("GRADOPS_BACKEND", "auto")
-    before = backend.choose("hardswish", cpu)
+    before = plan(x, x).backend
     if before.name != "cpu":
         pytest.skip("the compiled CPU backend is not installed")
     module = sys.modules["gradops.cpu"]
@@ -94,9 +104,10 @@ def test_choose_decides_again_when_the_backend_module_changes(monkeypatch):
     monkeypatch.setattr(backend, "_module", lambda name: None if name == "cpu" else real_module(name))
     monkeypatch.setattr(backend, "_slow_path_warned", False)
     with pytest.warns(backend.SlowPathWarning, match="importing gradops.cpu failed"):
-        assert backend.choose("hardswish", cpu).name == "torch"
+        assert plan(x, x).backend.name == "torch"
+        assert plan(torch.randn(5, 8), torch.randn(5, 8)).backend.name == "torch"  # a new shape: the same choice
     monkeypatch.undo()
-    assert sys.modules["gradops.cpu"] is module and backend.choose("hardswish", cpu) == before
+    assert sys.modules["gradops.cpu"] is module and plan(x, x).backend == before
 
 
 @pytest.mark.parametrize("failure", ["missing", "broken"])

@@ -145,7 +145,7 @@ import sys, torch, gradops
 from gradops import reference
 g = torch.Generator().manual_seed(0)
 grad, x = torch.randn(64, 33, generator=g), torch.randn(64, 33, generator=g) * 4
-print(gradops.backend.choose("hardswish_backward", x.device).name)
+print(gradops.backend.decide("hardswish_backward", x.device).name)
 assert torch.equal(gradops.hardswish_backward(grad, x), reference.hardswish_backward(grad, x))
 print("ok")
 """

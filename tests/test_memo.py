@@ -1,4 +1,5 @@
-"""contract/_memo.py: a remembered check answers as the check does, and refusals are never remembered."""
+"""contract/_memo.py's key, as an op's call plan uses it (ops/_plan.py): a remembered answer is the check's, and
+refusals are never remembered."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ import torch
 
 import gradops
 from gradops.contract import rms_norm as contract
-from gradops.contract._memo import LIMIT, remembered
+from gradops.contract._memo import LIMIT
 from gradops.contract.hardswish import check_hardswish
+from gradops.ops._plan import Planner, forget_all
 from gradops.status import OpError
 
 rms_ops = importlib.import_module("gradops.ops.rms_norm")
 
 
-def counted(check):
+def counted(check, op="rms_norm", device_arg=0):
+    """``check`` behind a planner of its own: ``(remembered, calls)``, where ``remembered(*args)`` is the plan's
+    answer of the check and ``calls`` the arguments the check actually ran on."""
     calls = []
 
     def counting(*args):
         calls.append(args)
         return check(*args)
 
-    return remembered(counting), calls
+    planner = Planner(op, counting, device_arg=device_arg)
+    return (lambda *args: planner(*args).shape), calls
 
 
 def test_a_plan_is_computed_once_per_metadata_and_equals_the_checks():
@@ -72,7 +77,7 @@ def test_refusals_are_raised_afresh_each_time():
 @pytest.mark.parametrize("arg", [torch.randn(4, 8).to_sparse(), [4.5, 8], [[4], 8], object()],
                          ids=["sparse", "list-of-floats", "nested-list", "object"])
 def test_arguments_the_key_cannot_describe_are_checked_every_time(arg):
-    check, calls = counted(lambda a, b: None)
+    check, calls = counted(lambda a, b: None, device_arg=1)
     for _ in range(2):
         check(arg, torch.randn(8))
     assert len(calls) == 2
@@ -82,7 +87,7 @@ def test_arguments_the_key_cannot_describe_are_checked_every_time(arg):
 def test_a_shape_argument_is_part_of_the_key(shape):
     """A list or tuple of ints (the routing-map unpermute's restore_shape) is metadata like a scalar: remembered,
     and another shape is another key."""
-    check, calls = counted(lambda a, b: None)
+    check, calls = counted(lambda a, b: None, device_arg=1)
     for _ in range(2):
         check(shape, torch.randn(8))
     check([4, 9], torch.randn(8))
@@ -101,7 +106,7 @@ def test_a_subclass_is_checked_every_time():
 
 
 def test_the_table_is_bounded():
-    check, calls = counted(check_hardswish)
+    check, calls = counted(check_hardswish, "hardswish")
     for n in range(LIMIT + 10):
         check(torch.empty(n))
     check(torch.empty(LIMIT + 9))  # still there after the table started over
@@ -109,11 +114,13 @@ def test_the_table_is_bounded():
 
 
 def test_the_public_functions_use_the_remembered_check_and_still_refuse():
+    forget_all()
     x, g = torch.randn(4, 8), torch.randn(8)
     y, rstd = gradops.rms_norm(x, g)
     gradops.rms_norm_grad(y, x, rstd, g)
+    assert len(rms_ops.plan_rms_norm_grad._plans) == 1
     with pytest.raises(OpError, match="rstd"):
         gradops.rms_norm_grad(y, x, rstd.double(), g)
     with pytest.raises(OpError, match="rstd"):  # the same refusal again: checked again
         gradops.rms_norm_grad(y, x, rstd.double(), g)
-    assert hasattr(rms_ops.check_rms_norm_grad, "forget")
+    assert len(rms_ops.plan_rms_norm_grad._plans) == 1

@@ -367,6 +367,39 @@ def test_remembered_plans_follow_the_environment(monkeypatch):
         bad(x)
 
 
+def test_one_remembered_call_serves_the_node_and_the_direct_call(monkeypatch):
+    """The extension keeps one entry per (op, argument metadata), the plan Python made once: after an eval call
+    (the direct path) of a shape, the recorded call of that shape takes the node without asking Python's planner,
+    and the other way round; gradops._runtime.invalidate drops the entry with the plans."""
+    from gradops import _runtime
+    from gradops.ops import _plan
+
+    planned = []
+    real = _plan.Planner.__call__
+
+    def counting(self, *args, **options):
+        planned.append(self.op)
+        return real(self, *args, **options)
+
+    monkeypatch.setattr(_plan.Planner, "__call__", counting)
+    _runtime.invalidate()
+    act, layer = gnn.Hardswish(), gnn.LayerNorm(8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad():
+        act(x), layer(x)  # the direct path: planned once each
+    assert planned == ["hardswish", "layer_norm"]
+    assert "gradops_native" in act(x).grad_fn.name() and "gradops_native" in layer(x).grad_fn.name()
+    assert planned == ["hardswish", "layer_norm"]  # the same entries let the nodes take the recorded calls
+    y = torch.randn(2, 8, requires_grad=True)
+    assert "gradops_native" in act(y).grad_fn.name()  # a new shape, recorded first: planned once
+    with torch.no_grad():
+        act(y)
+    assert planned == ["hardswish", "layer_norm", "hardswish"]
+    _runtime.invalidate()
+    act(y)
+    assert planned[-1] == "hardswish" and len(planned) == 4
+
+
 def test_fullgraph_compile_never_sees_the_extension():
     """Under torch.compile(fullgraph=True) the modules trace the custom ops (dynamo answers is_compiling before any
     call into the extension), in training as in inference; the eager call after it still records the node."""

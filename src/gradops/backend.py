@@ -20,10 +20,9 @@ missing dependency never passes silently. Only ``auto`` falls back, and ``gradop
 (:class:`SlowPathWarning`), since that path is ~10-50x slower. In a child of ``fork()`` whose parent may have run
 GNU OpenMP (which does not survive fork: a parallel region there hangs), CPU calls run on one thread.
 
-:func:`decide` is the decision; :func:`choose` is the same decision remembered per (``GRADOPS_BACKEND``,
-``TRITON_INTERPRET``, device type, op) for the per-call path (one environment read and one dict lookup, ~1 µs,
-where deciding afresh costs ~4 µs of import-system queries). A remembered choice is dropped when the backend
-module it was made with is no longer the one loaded, and in a forked child.
+:func:`decide` is the decision, made afresh (~4 µs of import-system queries); each op's call plan remembers it
+per (``GRADOPS_BACKEND``, ``TRITON_INTERPRET``, device type) beside its plans (:mod:`gradops.ops._plan`), and drops
+it when the backend module it was made with is no longer the one loaded, and in a forked child.
 """
 
 from __future__ import annotations
@@ -248,41 +247,17 @@ def select(op: str, device: torch.device) -> tuple[str, Callable]:
     return chosen.name, chosen.fn
 
 
-_chosen: dict[tuple, tuple[Choice, str, ModuleType | None]] = {}
-
 # The two variables are read on every call. ``os.environ.get`` encodes the key, looks it up and decodes the value
-# (~1 µs each on 2 cores); CPython's ``os.environ`` keeps that raw mapping in ``_data``, which the memo key can
+# (~1 µs each on 2 cores); CPython's ``os.environ`` keeps that raw mapping in ``_data``, which a plan's key can
 # use as it is (0.06 µs). Anything that changes os.environ changes _data; elsewhere the public path is used.
 _raw = getattr(os.environ, "_data", None)
 if isinstance(_raw, dict) and hasattr(os.environ, "encodekey"):
     _getenv, _ENV_KEY, _INTERPRET_KEY = _raw.get, os.environ.encodekey(ENV), os.environ.encodekey("TRITON_INTERPRET")
 else:  # pragma: no cover - another Python implementation
     _getenv, _ENV_KEY, _INTERPRET_KEY = os.environ.get, ENV, "TRITON_INTERPRET"
-def choose(op: str, device: torch.device) -> Choice:
-    """:func:`decide`, remembered (see the module docstring).
-
-    A remembered choice holds while the module of the backend it was decided for (the one named, or auto's first
-    choice for the device) is the one in ``sys.modules``: removing or reloading it, as a test of the fallback does,
-    or importing it after an auto fallback, decides again.
-    """
-    return choose_with_token(op, device)[0]
-
-
-def choose_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
-    """:func:`choose` with what keeps the choice valid (see :func:`decide_with_token`): for the call plans, which
-    remember a choice beside each shape's check (a new shape - a MoE expert's row count, a sequence length -
-    then pays the check, not the decision's ~4 µs of import-system queries)."""
-    key = (_getenv(_ENV_KEY), _getenv(_INTERPRET_KEY), device.type, op)
-    hit = _chosen.get(key)
-    if hit is not None and sys.modules.get(hit[1]) is hit[2]:
-        return hit
-    entry = decide_with_token(op, device)
-    _chosen[key] = entry
-    return entry
-
-
 def environment_key() -> tuple:
-    """What a remembered choice depends on besides the device and op: the two variables (raw, ~0.06 µs each)."""
+    """What a remembered backend choice depends on besides the device and op: the two variables (raw, ~0.06 µs
+    each)."""
     return _getenv(_ENV_KEY), _getenv(_INTERPRET_KEY)
 
 
@@ -310,5 +285,3 @@ def forget() -> None:
     _import_errors.clear()
     _runtime.invalidate()
 
-
-_runtime.register_cache(_chosen.clear)

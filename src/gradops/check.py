@@ -102,7 +102,7 @@ def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: i
 
     case = spec(op).example(m, n, dtype, device, torch.Generator().manual_seed(seed))
     with _backend(name):
-        used = backend.choose(op, device).name  # what the op's call plan runs (ops/_plan.py)
+        used = backend.decide(op, device).name  # what the op's call plan runs (ops/_plan.py)
         out = getattr(gradops, op)(*case.args)
     out = out if isinstance(out, tuple) else (out,)
     oracle = getattr(reference, op)

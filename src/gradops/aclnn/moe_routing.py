@@ -54,7 +54,7 @@ def _outs(op: str, device: torch.device, expected: dict[str, tuple[Tensor | None
 def _choice(fn: Callable, device: torch.device) -> backend.Choice:
     """The work's implementation: the public function, under the name of the backend its kernels run on (the
     decision every op makes alike for the device; 561003 when ``GRADOPS_BACKEND`` names one that cannot run)."""
-    return backend.Choice(backend.choose(registry.PROBE, device).name, fn, None)
+    return backend.Choice(backend.decide(registry.PROBE, device).name, fn, None)
 
 
 def aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize(tokens: Tensor, routingMap: Tensor,

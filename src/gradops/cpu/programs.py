@@ -53,7 +53,7 @@ class Program:
         return self
 
     def spec(self) -> tuple:
-        """The arguments of the extension's ``remember_direct`` after the op and the call."""
+        """The arguments of the extension's ``remember`` after the op, the call and the node flag."""
         return False, self.outputs, self.steps, self.results, self.tuple
 
 

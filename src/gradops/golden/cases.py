@@ -257,7 +257,7 @@ def _build(op: str, dims: tuple[int, ...], dtype: str, seed: int, dev: torch.dev
             third[name], source[name] = peers[i][0].cpu(), peers[i][1]
         else:
             third[name], source[name] = ours[i], f"gradops.{op} ({device}, backend "  \
-                f"{gradops.backend.choose(op, dev).name})"
+                f"{gradops.backend.decide(op, dev).name})"
     attributes = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
     return Case(op, inputs, dict(zip(names, golden)), third, source, attributes)
 

@@ -309,9 +309,8 @@ def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tens
 
 
 def function(name: str) -> Callable | None:
-    """The extension's function ``name`` for the public functions' eager calls (``hardswish_forward``,
-    ``hardswish_backward``: the registered kernels on torch's threads, no autograd), or None where :func:`node`
-    would be None."""
+    """The extension's function ``name`` for the public functions' eager calls (``hardswish_backward``: the
+    registered kernel on torch's threads, no autograd), or None where :func:`node` would be None."""
     ext = module()
     return None if ext is None else getattr(ext, name)
 

@@ -518,7 +518,6 @@ const char* gradops::env_or_unset(const char* name) {
 
 namespace {
 
-using gradops::env_or_unset;
 using gradops::plain_types;
 
 // Whether a call with ``args`` is an eager call that autograd records, on plain tensors: what
@@ -545,67 +544,20 @@ bool recordable_handles(const Handles& args) {
 
 bool recordable(py::args args) { return recordable_handles(args); }
 
-// ---- known calls: the argument metadata the Python call plan sent to the native node
+// ---- recorded calls on the nodes: the remembered call plans (direct.cpp's table)
 //
-// After gradops.ops validated a call and found a native node for it (the call plan), it says so here with the
-// arguments' metadata; later calls with the same metadata skip the Python plan lookup (~8 µs of a
-// small training step on 2 cores). The key is what the plan depends on: each tensor's dtype and
-// sizes (all contiguous CPU tensors, checked per call), the scalar, and the two environment variables the
-// backend decision reads. gradops forgets them with its own caches (gradops._runtime.invalidate: a fork, the
-// native switch), and a child of fork() never uses them.
-struct KnownCall {
-  std::vector<int64_t> key;
-  double scalar;
-  std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered ("\x01": unset)
-};
-std::vector<KnownCall> known_calls[kOps];
-constexpr size_t kKnownLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
+// After gradops.ops validated a call and found a native node for it (the call plan), it remembers the plan with
+// the arguments' metadata (gradops.native's ``remember``, the entry the direct calls use); later calls with the same
+// metadata skip the Python plan lookup (~8 µs of a small training step on 2 cores). The entry's key is what the
+// plan depends on: each tensor's dtype and sizes (all contiguous CPU tensors, checked per call), the scalars, and
+// the two environment variables the backend decision reads. gradops forgets them with its own plans
+// (gradops._runtime.invalidate: a fork, the native switch), and a child of fork() never uses them.
 
-// Appends t's metadata to key; false when t cannot go to a kernel as it is (not a contiguous CPU tensor, or hollow:
-// its storage freed or shrunk, see gradops::hollow; the Python plan then refuses it).
-bool add_key(std::vector<int64_t>& key, const Tensor& t) {
-  if (!t.is_contiguous() || !t.device().is_cpu() || t.layout() != at::kStrided || gradops::hollow(t)) return false;
-  key.push_back(static_cast<int64_t>(t.scalar_type()));
-  key.push_back(t.dim());
-  for (int64_t size : t.sizes()) key.push_back(size);
-  return true;
-}
-
-const KnownCall* find_known(Op op, const std::vector<int64_t>& key, double scalar) {
-  const char* backend = env_or_unset("GRADOPS_BACKEND");
-  const char* interpret = env_or_unset("TRITON_INTERPRET");
-  for (const KnownCall& known : known_calls[op]) {
-    if (known.key == key && known.scalar == scalar && known.backend == backend && known.interpret == interpret) {
-      return &known;
-    }
-  }
-  return nullptr;
-}
-
-// ``ints``: the op's integer arguments (the embedding's padding row and scaling), part of the key after the tensors.
-void remember(int64_t op, std::vector<Tensor> tensors, double scalar, std::vector<int64_t> ints) {
-  TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
-  KnownCall known{{}, scalar, env_or_unset("GRADOPS_BACKEND"), env_or_unset("TRITON_INTERPRET")};
-  for (const Tensor& t : tensors) {
-    if (!add_key(known.key, t)) return;
-  }
-  known.key.insert(known.key.end(), ints.begin(), ints.end());
-  if (find_known(static_cast<Op>(op), known.key, scalar) != nullptr) return;
-  if (known_calls[op].size() >= kKnownLimit) known_calls[op].clear();
-  known_calls[op].push_back(std::move(known));
-}
-
-void forget() {
-  for (auto& list : known_calls) list.clear();
-  gradops::forget_direct();
-}
-
-// A call's key, built in this thread's buffer: no allocation per call (nothing called while a key is built or
-// looked up re-enters these functions).
-std::vector<int64_t>& key_buffer() {
-  thread_local std::vector<int64_t> key;
-  key.clear();
-  return key;
+// The op's id in the remembered calls (direct.cpp), by the name gradops gives the op.
+int64_t call_id(Op op) {
+  static const int64_t ids[kOps] = {gradops::direct_op("hardswish"), gradops::direct_op("layer_norm"),
+                                    gradops::direct_op("embedding")};
+  return ids[op];
 }
 
 // Whether every handle is a tensor. recordable_handles skips what is not one (a gradient could flow through the
@@ -619,49 +571,39 @@ bool all_tensors(const std::array<py::handle, N>& args) {
   return true;
 }
 
-// The recorded call on the node for a known call's metadata, or None (then gradops' Python path decides).
-py::object hardswish_planned(py::handle x) {
-  const std::array<py::handle, 1> args{x};
-  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
-  const Tensor& t = THPVariable_Unpack(x.ptr());
-  std::vector<int64_t>& key = key_buffer();
-  const KnownCall* known = add_key(key, t) ? find_known(kHardswish, key, 0.0) : nullptr;
-  if (known == nullptr) return py::none();
-  return py::cast(gradops_native::hardswish_node(t));
+// The recorded call on the node for a remembered call's metadata, or None (then gradops' Python path decides).
+// ``call``: the op's positional arguments as gradops passes them (the key of the remembered call).
+py::object hardswish_planned(PyObject* const* call) {
+  const std::array<py::handle, 1> args{call[0]};
+  if (forked || !recordable_handles(args) || !all_tensors(args) || !gradops::node_known(call_id(kHardswish), call, 1)) {
+    return py::none();
+  }
+  return py::cast(gradops_native::hardswish_node(THPVariable_Unpack(call[0])));
 }
 
-py::object layer_norm_planned(py::handle x, py::handle gamma, py::handle beta, double eps) {
-  const std::array<py::handle, 3> args{x, gamma, beta};
-  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
-  const Tensor& tx = THPVariable_Unpack(x.ptr());
-  const Tensor& tg = THPVariable_Unpack(gamma.ptr());
-  const Tensor& tb = THPVariable_Unpack(beta.ptr());
-  std::vector<int64_t>& key = key_buffer();
-  const KnownCall* known =
-      add_key(key, tx) && add_key(key, tg) && add_key(key, tb) ? find_known(kLayerNorm, key, eps) : nullptr;
-  if (known == nullptr) return py::none();
-  return py::cast(gradops_native::layer_norm_node(tx, tg, tb, eps));
+py::object layer_norm_planned(PyObject* const* call, double eps) {
+  const std::array<py::handle, 3> args{call[0], call[1], call[2]};
+  if (forked || !recordable_handles(args) || !all_tensors(args) || !gradops::node_known(call_id(kLayerNorm), call, 4)) {
+    return py::none();
+  }
+  return py::cast(gradops_native::layer_norm_node(THPVariable_Unpack(call[0]), THPVariable_Unpack(call[1]),
+                                                  THPVariable_Unpack(call[2]), eps));
 }
 
-py::object embedding_planned(py::handle weight, py::handle indices, int64_t padding, bool scale) {
-  const std::array<py::handle, 2> args{weight, indices};
-  if (forked || !recordable_handles(args) || !all_tensors(args)) return py::none();
-  const Tensor& tw = THPVariable_Unpack(weight.ptr());
-  const Tensor& ti = THPVariable_Unpack(indices.ptr());
-  std::vector<int64_t>& key = key_buffer();
-  if (!add_key(key, tw) || !add_key(key, ti)) return py::none();
-  key.push_back(padding);
-  key.push_back(scale);
-  const KnownCall* known = find_known(kEmbedding, key, 0.0);
-  if (known == nullptr) return py::none();
-  Tensor y = gradops_native::embedding_node(tw, ti, padding, scale);
+py::object embedding_planned(PyObject* const* call, int64_t padding, bool scale) {
+  const std::array<py::handle, 2> args{call[0], call[1]};
+  if (forked || !recordable_handles(args) || !all_tensors(args) || !gradops::node_known(call_id(kEmbedding), call, 4)) {
+    return py::none();
+  }
+  Tensor y = gradops_native::embedding_node(THPVariable_Unpack(call[0]), THPVariable_Unpack(call[1]), padding, scale);
   return y.defined() ? py::cast(y) : py::none();
 }
 
 // The *_planned functions as CPython METH_FASTCALL functions: they run in front of every recorded module call,
 // where pybind11's dispatcher (an argument vector, a conversion flag per argument, overload resolution) cost ~0.3 µs
-// of a ~3 µs Hardswish forward at 8 x 8 on 2 cores. Arguments as the Python callers pass them: tensors,
-// then a Python float (layer_norm's eps) or an int and a bool (embedding's padding row and scaling).
+// of a ~3 µs Hardswish forward at 8 x 8 on 2 cores. Arguments: the op's positional arguments as gradops passes
+// them, tensors then a float or int (layer_norm's eps) or an int and a bool (embedding's padding row and scaling);
+// a scalar of another type is the op's to refuse: None.
 bool arity(const char* name, Py_ssize_t given, Py_ssize_t expected) {
   if (given == expected) return true;
   PyErr_Format(PyExc_TypeError, "gradops.native.%s takes %zd arguments, got %zd", name, expected, given);
@@ -671,27 +613,28 @@ bool arity(const char* name, Py_ssize_t given, Py_ssize_t expected) {
 PyObject* hardswish_planned_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!arity("hardswish_planned", nargs, 1)) return nullptr;
-  return hardswish_planned(args[0]).release().ptr();
+  return hardswish_planned(args).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* layer_norm_planned_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!arity("layer_norm_planned", nargs, 4)) return nullptr;
+  if (!PyFloat_Check(args[3]) && !PyLong_CheckExact(args[3])) Py_RETURN_NONE;  // the op's to refuse
   const double eps = PyFloat_AsDouble(args[3]);
   if (eps == -1.0 && PyErr_Occurred()) return nullptr;
-  return layer_norm_planned(args[0], args[1], args[2], eps).release().ptr();
+  return layer_norm_planned(args, eps).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* embedding_planned_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!arity("embedding_planned", nargs, 4)) return nullptr;
-  const long long padding = PyLong_AsLongLong(args[2]);
-  if (padding == -1 && PyErr_Occurred()) return nullptr;
-  const int scale = PyObject_IsTrue(args[3]);
-  if (scale < 0) return nullptr;
-  return embedding_planned(args[0], args[1], padding, scale != 0).release().ptr();
+  if (!PyLong_CheckExact(args[2]) || !PyBool_Check(args[3])) Py_RETURN_NONE;  // the op's to refuse
+  int overflow = 0;
+  const long long padding = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+  if (overflow != 0) Py_RETURN_NONE;  // no remembered call has such a key
+  return embedding_planned(args, padding, args[3] == Py_True).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
@@ -710,11 +653,11 @@ PyObject* hollow_fast(PyObject*, PyObject* arg) {
 PyMethodDef planned_functions[] = {
     {"hollow", hollow_fast, METH_O, "whether a plain tensor's storage does not hold its elements (freed, shrunk)"},
     {"hardswish_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hardswish_planned_fast)),
-     METH_FASTCALL, "the recorded Hardswish on a known call's metadata, or None"},
+     METH_FASTCALL, "the recorded Hardswish on a remembered call's metadata, or None"},
     {"layer_norm_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm_planned_fast)),
-     METH_FASTCALL, "the recorded LayerNorm y on a known call's metadata, or None"},
+     METH_FASTCALL, "the recorded LayerNorm y on a remembered call's metadata, or None"},
     {"embedding_planned", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(embedding_planned_fast)),
-     METH_FASTCALL, "the recorded embedding lookup on a known call's metadata, or None"},
+     METH_FASTCALL, "the recorded embedding lookup on a remembered call's metadata, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 void set_plain_types(py::handle tensor, py::handle parameter) {
@@ -749,11 +692,6 @@ py::object embedding(const Tensor& weight, const Tensor& indices, int64_t paddin
   return y.defined() ? py::cast(y) : py::none();
 }
 
-Tensor hardswish_function(const Tensor& x) {
-  require_whole(x, "x");
-  return gradops_native::hardswish_values(x);
-}
-
 Tensor hardswish_backward_function(const Tensor& g, const Tensor& x) {
   require_whole(g, "grad_output");
   require_whole(x, "x");
@@ -782,7 +720,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm", &layer_norm, "LayerNorm y of a contiguous x (..., N); backward the fused LayerNorm backward");
   m.def("embedding", &embedding, "weight[indices], contiguous; backward aclnnEmbeddingDenseBackward; None for an index "
         "outside the table");
-  m.def("hardswish_forward", &hardswish_function, "gradops.hardswish's kernels on a contiguous x, not recorded");
   m.def("hardswish_backward", &hardswish_backward_function,
         "aclnnHardswishBackward on contiguous g, x of one shape and dtype, not recorded");
   m.def("set_differentiable", &set_differentiable, "the Python backward of op for create_graph=True");
@@ -791,8 +728,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_empty", &pool_empty, "a contiguous CPU tensor from the output pool (1 MiB and more)");
   m.def("pool_clear", &pool_clear, "free the pool's free blocks; their bytes");
   m.def("pool_free_bytes", &pool_free_bytes, "bytes in the pool's free blocks");
-  m.def("remember", &remember, "the native node for calls with these tensors' metadata, scalar and ints");
-  m.def("forget", &forget, "drop every known call and direct program");
+  m.def("forget", &gradops::forget_calls, "drop every remembered call");
   if (PyModule_AddFunctions(m.ptr(), planned_functions) != 0) throw py::error_already_set();
   gradops::register_direct(m);
   gradops::register_kernels(m);

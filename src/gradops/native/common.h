@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace gradops {
 
@@ -65,7 +66,14 @@ const char* env_or_unset(const char* name);
 
 // direct.cpp's and kernels.cpp's parts of the module.
 void register_direct(py::module_& m);
-void forget_direct();
 void register_kernels(py::module_& m);
+
+// The remembered calls (direct.cpp): one entry per (op, argument metadata), gradops' call plan as the extension
+// replays it. direct_op: the op's id by its name (the same id for the same name). node_known: whether the op's
+// native node takes a recorded call on args[0:n], the op's positional arguments (their tensors may require grad).
+// forget_calls: drop every entry (gradops._runtime.invalidate).
+int64_t direct_op(const std::string& name);
+bool node_known(int64_t op, PyObject* const* args, Py_ssize_t n);
+void forget_calls();
 
 }  // namespace gradops

@@ -11,6 +11,10 @@
 // the Python path runs, so the results are the Python path's bits. A later call with the same metadata is this
 // file: the eager test, the key, the allocations, the kernel.
 //
+// The same table says, for the ops with a native autograd node (autograd.cpp: hardswish, layer_norm, embedding),
+// whether the node takes recorded calls of these metadata: one remembered entry per (op, argument metadata), the
+// extension's copy of gradops' call plan for them (gradops.ops._plan.CallPlan), dropped with it.
+//
 // A kernel that returns >= 0 found a value the op refuses (an index outside a table, a negative variance): the call
 // returns None and the Python path runs, which raises the op's OpError. So does every call this file cannot take
 // as it is: something watches calls (a mode, a transform, the profiler, a tracer), autograd would record it, an
@@ -55,6 +59,7 @@ struct Program {
   std::vector<int64_t> key;
   std::string backend, interpret;  // GRADOPS_BACKEND, TRITON_INTERPRET as read when remembered
   bool python = true;              // no program: the call takes gradops' Python path (another backend, empty tensors)
+  bool node = false;               // the op's native autograd node takes recorded calls of these metadata
   std::vector<Buffer> outputs;
   std::vector<Step> steps;
   std::vector<int64_t> results;  // the outputs returned, in order
@@ -68,17 +73,16 @@ constexpr size_t kProgramLimit = 64;  // a model has a handful of shapes per op;
 // Key tags of the scalar arguments; a tensor's entry starts with its dtype (>= 0), then its dim and sizes.
 enum Tag : int64_t { kNone = -1, kBool = -2, kInt = -3, kFloat = -4 };
 
-// Appends the metadata of the call arguments args[first:] to key and their tensors to tensors; false when a direct
+// Appends the metadata of the call arguments args[0:n] to key and their tensors to tensors; false when a direct
 // call cannot take them: a tensor that is not a plain contiguous CPU tensor (a subclass, meta, lazily negated or
 // conjugated, legacy-vmap batched), one autograd would record (``record``: grad mode is on), a hollow one (its
 // storage freed or shrunk: gradops::hollow, checked on every call since a program is remembered by metadata only),
 // or an argument other than a tensor, None, bool, int or float. What gradops.contract._memo.key_of reads, and
 // contiguity.
-bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>& key,
+bool key_of(PyObject* const* args, Py_ssize_t n, bool record, std::vector<int64_t>& key,
             std::vector<const Tensor*>& tensors) {
-  const Py_ssize_t n = PyTuple_GET_SIZE(args);
-  for (Py_ssize_t i = first; i < n; ++i) {
-    PyObject* a = PyTuple_GET_ITEM(args, i);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = args[i];
     PyTypeObject* type = Py_TYPE(a);
     if (type == gradops::plain_types[0] || type == gradops::plain_types[1]) {
       const Tensor& t = THPVariable_Unpack(a);
@@ -110,6 +114,9 @@ bool key_of(PyObject* args, Py_ssize_t first, bool record, std::vector<int64_t>&
   }
   return true;
 }
+
+// A tuple's items, in place.
+PyObject* const* items(PyObject* tuple) { return PySequence_Fast_ITEMS(tuple); }
 
 const Program* find_program(int64_t op, const std::vector<int64_t>& key) {
   const char* backend = gradops::env_or_unset("GRADOPS_BACKEND");
@@ -166,7 +173,7 @@ py::object run(const Program& p, const std::vector<const Tensor*>& inputs,
 // The remembered program of op (the call's first argument) for the call arguments from ``first`` on, their tensors in
 // ``tensors``; nullptr with ``answer`` set to what the entry returns instead: None where the call must take
 // gradops' Python path (see the top of this file), MISS (Ellipsis) where it could run here but no program is
-// remembered for these argument metadata (the caller plans it and calls remember_direct).
+// remembered for these argument metadata (the caller plans it and calls remember).
 const Program* program_for(PyObject* call, Py_ssize_t first, std::vector<const Tensor*>& tensors, py::object& answer) {
   answer = py::none();
   if (gradops::forked || !gradops::unwatched()) return nullptr;
@@ -176,7 +183,9 @@ const Program* program_for(PyObject* call, Py_ssize_t first, std::vector<const T
   thread_local std::vector<int64_t> key;
   key.clear();
   tensors.clear();
-  if (!key_of(call, first, at::GradMode::is_enabled(), key, tensors)) return nullptr;
+  if (!key_of(items(call) + first, PyTuple_GET_SIZE(call) - first, at::GradMode::is_enabled(), key, tensors)) {
+    return nullptr;
+  }
   const Program* p = find_program(op, key);
   if (p == nullptr) {
     answer = py::ellipsis();
@@ -266,17 +275,19 @@ std::vector<Buffer> buffers(const py::list& specs) {
   return out;
 }
 
-// Remembers op's program for calls with the metadata of ``call`` (the arguments as the op takes them).
-// ``python``: no program, such calls take gradops' Python path. ``outputs``: (sizes, dtype) each; ``steps``:
-// (kernel name, input slots, output slots, ints, floats) each, a slot (Slot, index); ``results``: output indexes.
-void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, py::list steps,
-                     std::vector<int64_t> results, bool tuple) {
+// Remembers gradops' call plan of op for calls with the metadata of ``call`` (the arguments as the op takes them).
+// ``node``: the op's native autograd node takes recorded calls of these metadata. ``python``: no program, calls
+// that nothing records take gradops' Python path. ``outputs``: (sizes, dtype) each; ``steps``: (kernel name,
+// input slots, output slots, ints, floats) each, a slot (Slot, index); ``results``: output indexes.
+void remember(int64_t op, py::tuple call, bool node, bool python, py::list outputs, py::list steps,
+              std::vector<int64_t> results, bool tuple) {
   TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(programs.size()), "gradops.native: unknown op ", op);
   Program p;
   std::vector<const Tensor*> tensors;
-  if (!key_of(call.ptr(), 0, false, p.key, tensors)) return;  // not a call direct() could take
+  if (!key_of(items(call.ptr()), PyTuple_GET_SIZE(call.ptr()), false, p.key, tensors)) return;  // not one we take
   p.backend = gradops::env_or_unset("GRADOPS_BACKEND");
   p.interpret = gradops::env_or_unset("TRITON_INTERPRET");
+  p.node = node;
   p.python = python;
   if (!python) {
     p.outputs = buffers(outputs);
@@ -320,16 +331,26 @@ void remember_direct(int64_t op, py::tuple call, bool python, py::list outputs, 
   list.push_back(std::move(p));
 }
 
-// The id direct() and remember_direct() take for the op called ``name`` (the same id for the same name).
-int64_t direct_op(const std::string& name) {
+}  // namespace
+
+// The id direct() and remember() take for the op called ``name`` (the same id for the same name).
+int64_t gradops::direct_op(const std::string& name) {
   auto [it, fresh] = op_ids.emplace(name, static_cast<int64_t>(programs.size()));
   if (fresh) programs.emplace_back();
   return it->second;
 }
 
-}  // namespace
+bool gradops::node_known(int64_t op, PyObject* const* args, Py_ssize_t n) {
+  thread_local std::vector<int64_t> key;
+  thread_local std::vector<const Tensor*> tensors;
+  key.clear();
+  tensors.clear();
+  if (!key_of(args, n, false, key, tensors)) return false;
+  const Program* p = find_program(op, key);
+  return p != nullptr && p->node;
+}
 
-void gradops::forget_direct() {
+void gradops::forget_calls() {
   for (auto& list : programs) list.clear();
 }
 
@@ -343,6 +364,7 @@ void gradops::register_direct(py::module_& m) {
         "(take the Python path) or MISS (no program for these argument metadata)");
   m.def("direct_into", &direct_into, "direct_into(op, out, *args): direct() writing the results into out (a tensor, "
         "or a tuple or list of them) when it passes the out= checks; True, None (take the Python path) or MISS");
-  m.def("remember_direct", &remember_direct, "the program of op for calls with these arguments' metadata");
-  m.def("direct_op", &direct_op, "the direct-call id of the op called name");
+  m.def("remember", &remember, "the call plan of op for calls with these arguments' metadata: whether its native "
+        "node takes recorded calls, its program for the others");
+  m.def("direct_op", &gradops::direct_op, "the id of the op called name in direct(), remember()");
 }

@@ -138,46 +138,6 @@ def python_allows_native() -> bool:
     return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling()
 
 
-#: Each op's ``<op>_planned`` with the extension it belongs to (another one loaded after gradops.native.reset
-#: replaces it).
-_planned: dict[str, tuple[Any, Callable[..., Any]]] = {}
-
-
-def native_call(op: str, planner: Callable[..., Any], tensors: tuple[Tensor, ...], scalar: float | None = None,
-                ints: tuple[int, ...] = ()) -> Tensor | None:
-    """The recorded call of ``op`` (``hardswish``, ``layer_norm``, ``embedding``) on its native autograd node
-    (:mod:`gradops.native`: the same kernels and bits as the Python Function, no Python in the backward), or None
-    when it cannot take one: not an eager recorded call on plain tensors, no node in ``planner``'s plan (another
-    backend, the extension not loaded, an empty input, dtypes without a node), a tensor not contiguous, or a value
-    the node leaves to the op to refuse (an index outside the table). ``tensors`` (then ``scalar``, then ``ints``)
-    are the op's arguments.
-
-    A call whose plan the extension remembers is one C++ call after :func:`python_allows_native`; the first call of
-    each argument metadata runs the Python call plan (validation, backend) and hands its answer to the extension.
-    Under no_grad this costs one C call."""
-    if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
-        return None
-    ext = native.module()
-    if ext is None:
-        return None
-    planned = _planned.get(op)
-    if planned is None or planned[0] is not ext:
-        planned = _planned[op] = (ext, getattr(ext, f"{op}_planned"))
-    if scalar is None and not ints:
-        extra: tuple = ()
-        result = planned[1](*tensors)
-    else:
-        extra = (*(() if scalar is None else (scalar,)), *ints)
-        result = planned[1](*tensors, *extra)
-    if result is not None or not ext.recordable(*tensors):
-        return result
-    entry = planner(*tensors, *extra).native
-    if entry is None or not all(t.is_contiguous() for t in tensors):
-        return None
-    ext.remember(getattr(ext, op.upper()), list(tensors), 0.0 if scalar is None else scalar, [int(i) for i in ints])
-    return entry(*tensors, *extra)
-
-
 def fit(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``t.reshape(shape)``, or ``t`` itself when it has that shape already: a reshape is a new view (~1.3 µs on
     2 cores) where the comparison costs 0.3, and a 2-D input or a 1-D statistic usually has its shape."""
@@ -245,26 +205,45 @@ def _sample_by_sample(op: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
+def fake_of(check: Callable[..., object], results: Callable[..., Any]) -> Callable[..., object]:
+    """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)`` (see
+    :mod:`gradops.ops._out`): the check on the fake arguments, then an empty tensor per declared result (a shape of
+    None: laid out like its input)."""
+    def fake(*args: object) -> object:
+        made = [torch.empty_like(r[2], dtype=r[1]) if r[0] is None else r[2].new_empty(tuple(r[0]), dtype=r[1])
+                for r in results(check(*args), *args)]
+        return made[0] if len(made) == 1 else tuple(made)
+    return fake
+
+
 class DirectOp:
     """``torch.library.custom_op(name)`` over ``body``, callable like the op with an eager fast path.
 
-    ``register_fake`` and ``register_autograd`` register on the custom op; the latter also builds the eager
+    ``planner``: the op's call plan (a :class:`gradops.ops._plan.Planner`): its validation runs before the custom op
+    on the paths that reach it (the op's schema would answer a None or a mistyped scalar with a bare RuntimeError
+    before the body could raise OpError), and where its plans carry programs, the extension's direct path runs them
+    (:meth:`direct`). ``results(plan, *args)``: what the op returns (see :mod:`gradops.ops._out`), from which its fake
+    kernel is registered. ``register_autograd`` registers on the custom op and also builds the eager
     ``torch.autograd.Function`` from the same pair of functions, so both paths share one formula.
     """
 
-    def __init__(self, name: str, body: Callable[..., Any]) -> None:
+    def __init__(self, name: str, body: Callable[..., Any], planner: Any,
+                 results: Callable[..., Any] | None = None, node: bool = False) -> None:
         self.body = body
         self.op = torch.library.custom_op(name, mutates_args=())(body)
         if _compat.can_register_vmap(self.op):  # torch >= 2.5; without it torch.vmap refuses the op
             self.op.register_vmap(_sample_by_sample(self.op))
+        self.planner = planner
+        self.validate: Callable[..., Any] = planner.validate
+        if results is not None:
+            self.op.register_fake(fake_of(planner.check, results))
         self.function: type[torch.autograd.Function] | None = None
-        #: ``native(*args)``: the call on a native autograd node when it is an eager recorded call the node can take
-        #: (:func:`native_call`), else None. Set by the op's module.
+        #: Whether the op has a native autograd node (:mod:`gradops.native`) that :meth:`recorded` calls.
+        self.node = node
+        #: ``native(*args)``: what a recorded call tries first (:meth:`recorded` where the node returns the op's own
+        #: results), else None. Set by the op's module.
         self.native: Callable[..., Any] | None = None
-        #: The op's planner when its plans carry programs for the extension's direct path (:meth:`direct`). Set by
-        #: the op's module.
-        self.planner: Any = None  # a gradops.ops._plan.Planner
-        self._direct_id: tuple[Any, int] | None = None  # (extension, the op's id in it)
+        self._ext: tuple[Any, int, Any] | None = None  # (extension, the op's id in it, its <name>_planned or None)
         name = body.__name__.removesuffix("_body").lstrip("_")
         self.name = name
 
@@ -275,9 +254,6 @@ class DirectOp:
         # An op without a registered derivative (the backward ops) still needs a setup_context-style Function
         # under torch.func: the backward of a forward calls it with functorch-wrapped tensors.
         self.functorch = self._functorch_function(name, lambda ctx, inputs, output: None, no_derivative)
-
-    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return self.op.register_fake(fn)
 
     def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
         self.op.register_autograd(backward, setup_context=setup_context)
@@ -327,14 +303,14 @@ class DirectOp:
         found = self._extension()
         if found is None:
             return None
-        ext, op = found
+        ext, op, _ = found
         result = ext.direct(op, *args)
         if result is not ext.MISS:
             return result
         if not self._remember(ext, op, args):
             return None
         result = ext.direct(op, *args)
-        return None if result is ext.MISS else result  # MISS cannot follow remember_direct; never hand it out
+        return None if result is ext.MISS else result  # MISS cannot follow remember; never hand it out
 
     def direct_into(self, out: object, *args: object) -> bool:
         """:meth:`direct` writing the op's results into ``out`` (its ``out=`` argument as the caller gave it): True
@@ -346,7 +322,7 @@ class DirectOp:
         found = self._extension()
         if found is None:
             return False
-        ext, op = found
+        ext, op, _ = found
         result = ext.direct_into(op, out, *args)
         if result is ext.MISS:
             if not self._remember(ext, op, args):
@@ -354,41 +330,68 @@ class DirectOp:
             result = ext.direct_into(op, out, *args)
         return result is True
 
-    def _extension(self) -> tuple[Any, int] | None:
-        """The loaded extension and the op's direct-call id in it (ids are per extension: another one may have been
-        loaded since, see gradops.native.reset), or None where no direct call can run."""
-        if self.planner is None or not _enabled or _is_compiling():
+    def recorded(self, *args: object) -> Any:
+        """The recorded call on the op's native autograd node (:mod:`gradops.native`: the same kernels and bits as
+        the Python Function, no Python in the backward), or None when it cannot take one: not an eager recorded call
+        on plain tensors, no node in the call plan (another backend, the extension not loaded, an empty input, dtypes
+        without a node), a tensor not contiguous, or a value the node leaves to the op to refuse (an index outside
+        the table). ``args``: the op's positional arguments.
+
+        A call whose plan the extension remembers is one C++ call after :func:`python_allows_native`; the first call
+        of each argument metadata runs the Python call plan (validation, backend) and hands it to the extension
+        (:meth:`_remember`, the entry the direct calls share). Under no_grad this costs one C call."""
+        if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
+            return None
+        found = self._extension()
+        if found is None:
+            return None
+        ext, op, planned = found
+        result = planned(*args)
+        if result is not None or not ext.recordable(*args):
+            return result
+        plan = self.planner(*args)
+        if plan.native is None or not all(t.is_contiguous() for t in args if isinstance(t, Tensor)):
+            return None
+        self._remember(ext, op, args, plan)
+        return plan.native(*args)
+
+    def _extension(self) -> tuple[Any, int, Any] | None:
+        """The loaded extension, the op's id in its remembered calls and its ``<name>_planned`` (ids are per
+        extension: another one may have been loaded since, see gradops.native.reset), or None where the extension
+        cannot take the call."""
+        if self.planner.program is None or not _enabled or _is_compiling():
             return None
         ext = native.module()
         if ext is None:
             return None
-        known = self._direct_id
+        known = self._ext
         if known is None or known[0] is not ext:
-            known = self._direct_id = (ext, ext.direct_op(self.name))
+            planned = getattr(ext, f"{self.name}_planned") if self.node else None
+            known = self._ext = (ext, ext.direct_op(self.name), planned)
         return known
 
-    def _remember(self, ext: Any, op: int, args: tuple) -> bool:
-        """Plan a call with ``args``'s metadata (a refused call raises its OpError here) and hand its program to
-        the extension; False when there is none (the Python path runs such calls)."""
-        program = self.planner.program_of(self.planner(*args), args)
+    def _remember(self, ext: Any, op: int, args: tuple, plan: Any = None) -> bool:
+        """Plan a call with ``args``'s metadata (a refused call raises its OpError here) and hand the plan to the
+        extension: whether the op's node takes recorded calls of these metadata, and the program of the others;
+        False when there is no program (the Python path runs such calls)."""
+        plan = self.planner(*args) if plan is None else plan
+        node = self.node and plan.native is not None
+        program = self.planner.program_of(plan, args)
         if program is None:
-            ext.remember_direct(op, args, True, [], [], [], False)
+            ext.remember(op, args, node, True, [], [], [], False)
             return False
-        ext.remember_direct(op, args, *program.spec())
+        ext.remember(op, args, node, *program.spec())
         return True
 
-    def __call__(self, *args: object, check: Callable[..., object] | None = None) -> Any:
-        """Run the op on positional ``args``.
-
-        ``check``: the op's validation, run before the custom op (the body runs it itself): the op's schema would
-        answer a None or a mistyped scalar with a bare RuntimeError before the body could raise OpError.
-        """
+    def __call__(self, *args: object) -> Any:
+        """Run the op on positional ``args`` (the body validates itself; the paths through the custom op validate
+        first, see the class docstring)."""
         native = self.native
         if native is not None and torch.is_grad_enabled() and _records(args):
-            result = native(*args)  # a native node (see native_call); the direct path never takes a recorded call
+            result = native(*args)  # a native node (see recorded); the direct path never takes a recorded call
             if result is not None:
                 return result
-        elif self.planner is not None:
+        elif self.planner.program is not None:
             result = self.direct(*args)
             if result is not None:
                 return result
@@ -397,12 +400,9 @@ class DirectOp:
             return self.body(*args)
         if path == FUNCTION and self.function is not None:
             return _apply(self.function, args)
+        self.validate(*args)
         if path == FUNCTORCH:
-            if check is not None:
-                check(*args)
             return self.functorch.apply(*args)
-        if check is not None:
-            check(*args)
         if not _compat.is_compiling():  # dynamo cannot trace the registration (test_compile caught it)
             ensure_registered()  # a DTensor takes this path; its sharding rules are registered on first sight
         return self.op(*args)

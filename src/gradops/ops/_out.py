@@ -191,16 +191,6 @@ def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Seque
 Result = tuple
 
 
-def fake_of(check: Callable[..., object], results: Callable[..., Sequence[Result]]) -> Callable[..., object]:
-    """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)``: the check
-    on the fake arguments, then an empty tensor per declared result."""
-    def fake(*args: object) -> object:
-        made = [torch.empty_like(r[2], dtype=r[1]) if r[0] is None else r[2].new_empty(tuple(r[0]), dtype=r[1])
-                for r in results(check(*args), *args)]
-        return made[0] if len(made) == 1 else tuple(made)
-    return fake
-
-
 def into(op: str, planner: Callable[..., object], results: Callable[..., Sequence[Result]], names: Sequence[str],
          args: tuple, out: object, differentiable: Sequence[int] = (), *,
          views: Callable[..., tuple] | None = None, via: DirectOp | None = None) -> tuple[Tensor, ...]:

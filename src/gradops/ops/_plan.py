@@ -1,19 +1,26 @@
 """The call plan: what an op's validation and backend decision answer for one call, remembered per argument
-metadata.
+metadata - the one cache of what a call will do.
 
 Every surface of an op runs the same two steps before its kernel: the contract's check (which refuses or answers
 the 2-D view the backends work on) and the backend decision for the tensors' device. Both depend only on the
 arguments' metadata (each tensor's shape, dtype, device; each scalar's value) and on ``GRADOPS_BACKEND`` /
-``TRITON_INTERPRET``, so :class:`Planner` keeps their joint answer, a :class:`CallPlan`, per key: after the first
-call of a shape, planning is one key and one lookup (at 8 x 8 fp32 on 2 cores: the check and
-the choice apart 3.3 µs, the remembered plan 1.1 µs for one tensor).
+``TRITON_INTERPRET``, so the op's :class:`Planner` keeps their joint answer, a :class:`CallPlan`, per key: after
+the first call of a shape, planning is one key and one lookup (at 8 x 8 fp32 on 2 cores: the check and
+the choice apart 3.3 µs, the remembered plan 1.1 µs for one tensor). The planner also keeps its backend choice per
+(environment, device type), so that a new shape - a MoE expert's row count, a sequence length - pays the check and
+not the decision's ~4 µs of import-system queries. Both tables are the planner's, dropped together by
+:func:`gradops._runtime.invalidate` (a forked child, a backend or extension switch); the native extension's copy of
+a plan (its program or node permission, :mod:`gradops.native`) is dropped at the same point.
 
 float64 arguments (the PyTorch API's superset of CANN's tables) are planned onto :func:`gradops.backend.wide`,
 the reference computing in float64, when the plan is made: a remembered plan costs the same for every dtype.
 
-What is never remembered is the same as for :func:`gradops.contract._memo.remembered`: refusals (raised afresh,
-with the message of the arguments at hand) and arguments that are not plain tensors or simple scalars. A plan also
-lapses when the backend module it was decided for is no longer the one loaded (see :func:`gradops.backend.choose`).
+What is never remembered, so the check runs in full each time: a refusal (an OpError is raised afresh, with the
+message of the arguments at hand); an argument that is not a plain tensor or a simple scalar (see
+:func:`gradops.contract._memo.key_of`); keyword arguments (the CANN surfaces' strict form). A plan also lapses when
+the backend module it was decided for is no longer the one loaded (see :func:`gradops.backend.decide_with_token`).
+Nothing here is read while torch.compile traces: dynamo would guard the mutable tables and recompile once they grow
+(:meth:`Planner.validate` checks afresh there).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _runtime
-from ..backend import Choice, choose_with_token, environment_key, shaped, wide_with_token
+from .._compat import is_compiling
+from ..backend import Choice, decide_with_token, environment_key, shaped, wide_with_token
 from ..contract._memo import LIMIT, key_of
 
 
@@ -37,7 +45,9 @@ class CallPlan(NamedTuple):
     where it has one (the compiled CPU kernels take any contiguous shape by address: no view, reshape or detach
     per tensor, each ~0.6-1.3 µs), else the op's adapter around ``backend.fn``; ``native``, the op's native
     autograd node or extension function that runs these arguments (see :mod:`gradops.native`), or None where
-    the call takes the Python path (no native node for the op, another backend, the extension not loaded)."""
+    the call takes the Python path (no native node for the op, another backend, the extension not loaded). Where
+    the extension is loaded it keeps its copy of the plan: whether the node takes recorded calls, and the program
+    that replays the others (:meth:`Planner.program_of`)."""
 
     shape: Any
     backend: Choice
@@ -67,7 +77,8 @@ class Planner:
         self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
         self.native, self.program = native, program
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
-        _runtime.register_cache(self._plans.clear)
+        self._choices: dict[tuple, tuple[Choice, str, object]] = {}  # (environment, device type, float64)
+        _runtime.register_cache(self.forget)
 
     def __call__(self, *args: Any, **options: Any) -> CallPlan:
         """The plan for a call with positional ``args``. ``options`` go to the check as keywords: the CANN
@@ -89,27 +100,48 @@ class Planner:
             self._plans[key] = entry
         return entry[0]
 
+    def validate(self, *args: Any) -> Any:
+        """The contract's answer for positional ``args`` (a refusal raises its OpError): the remembered plan's where
+        a call with these metadata was planned, else the check, not remembered (the callers are the op's boundary
+        paths - a traced, transformed or profiled call, a meta or subclass tensor - whose body plans the call
+        itself where it runs). While torch.compile traces, the check alone."""
+        if not is_compiling():
+            key = key_of(args)
+            if key is not None:
+                hit = self._plans.get((environment_key(), key))
+                if hit is not None:
+                    return hit[0].shape
+        return self.check(*args)
+
     def _plan(self, shape: Any, args: tuple, native: bool = True) -> tuple[CallPlan, str, object]:
         device = args[self.device_arg].device
-        if self._float64(args):
-            choice, token, module = wide_with_token(self.op, device)
-            run = None  # the reference has no shaped entries
-        else:
-            choice, token, module = choose_with_token(self.op, device)
-            run = shaped(self.op, choice)
+        wide = self._float64(args)
+        choice, token, module = self._choose(device, wide)
+        run = None if wide else shaped(self.op, choice)  # the float64 reference has no shaped entries
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
         entry = (self.native(choice, shape, *args) if native and self.native is not None and choice.name == "cpu"
                  else None)
         return CallPlan(shape, choice, run, entry), token, module
 
+    def _choose(self, device: torch.device, wide: bool) -> tuple[Choice, str, object]:
+        """The backend for ``device`` (``wide``: float64 arguments) with what keeps it valid, remembered per
+        environment and device type while the backend module it was decided for is the one loaded."""
+        key = (environment_key(), device.type, wide)
+        hit = self._choices.get(key)
+        if hit is not None and sys.modules.get(hit[1]) is hit[2]:
+            return hit
+        entry = (wide_with_token if wide else decide_with_token)(self.op, device)
+        self._choices[key] = entry
+        return entry
+
     def program_of(self, plan: CallPlan, args: tuple) -> Any:
-        """The call as the native extension's direct path replays it (a :class:`gradops.cpu.programs.Program` for
-        ``args``, all of the op's positional arguments, whose plan is ``plan``), or None: the op has no program,
-        the plan chose another backend than the compiled CPU kernels, or the program does not apply."""
+        """The call as the native extension replays it (a :class:`gradops.cpu.programs.Program` for ``args``, all of
+        the op's positional arguments, whose plan is ``plan``), or None: the op has no program, the plan chose
+        another backend than the compiled CPU kernels, or the program does not apply."""
         if self.program is None or plan.backend.name != "cpu":
             return None
-        from ..cpu import programs
+        from ..cpu import programs  # the CPU backend's module: loaded once a plan chose it
 
         return programs.build(self.program, plan.shape, *args)
 
@@ -118,5 +150,6 @@ class Planner:
         return any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in picked)
 
     def forget(self) -> None:
-        """Drop the remembered plans."""
+        """Drop the remembered plans and backend choices."""
         self._plans.clear()
+        self._choices.clear()

@@ -5,20 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import backend, native
+from .. import native
 from ..contract import embedding as contract
 from ..contract._common import accumulator
-from ..contract._memo import remembered
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
 from ..status import ACLNN_ERR_INNER_NULLPTR, OpError
-from ._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, native_call, own
-from ._out import Result, check_out, fake_of, run_into
+from ._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, own
+from ._out import Result, check_out, run_into
 from ._plan import Planner
-
-# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
-# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
-check_embedding = remembered(contract.check_embedding)
-check_embedding_dense_backward = remembered(contract.check_embedding_dense_backward)
 
 
 def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -65,17 +59,14 @@ def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseExcepti
                    f"{str(grad.dtype).removeprefix('torch.')} = {size} ({type(err).__name__}: {err})")
 
 
-_embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body)
-_embedding_dense_backward.planner = plan_embedding_dense_backward
-
-
 def _table_results(plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                    scale_grad_by_freq: bool) -> list[Result]:
     """The op's result, declared once (its fake kernel; ``out=`` below also takes a float32 table beside half grad)."""
     return [((num_weights, grad.shape[-1]), grad.dtype, grad)]
 
 
-_embedding_dense_backward.register_fake(fake_of(check_embedding_dense_backward, _table_results))
+_embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body,
+                                     plan_embedding_dense_backward, _table_results)
 
 
 def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
@@ -127,25 +118,41 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
 # ---------------------------------------------------------------- forward: the lookup whose backward is the op above
 
+# The native node takes eager recorded lookups on CPU (gradops.native).
+_NATIVE_VALUES = (torch.float32, torch.float16, torch.bfloat16)
+#: Indices the kernels read as they are; the other seven dtypes get CANN's conversion in Python first.
+_NATIVE_INDICES = (torch.int32, torch.int64)
+
+
+def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool):
+    """The native Embedding node for these dtypes, or None (see :mod:`gradops.native`). It runs the registered
+    kernels ``embedding`` and ``embedding_dense_backward`` (native/embedding.cpp)."""
+    if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
+        return None
+    return native.node("embedding", _differentiable_backward)
+
+
+# The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
+# that nothing records the direct program "embedding" (the range test, then the rows: gradops.cpu.embedding).
+plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry,
+                         program="embedding")
+
 
 def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
-    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)
+    plan = plan_embedding(weight, indices, padding_idx, scale_grad_by_freq)
     # On CUDA with the Triton backend the range test raises asynchronously (no host synchronisation per step):
     # the backward's launch, any later gradops launch or check, or gradops.synchronize() reports it. Elsewhere
     # (CPU, the torch backend, which launches nothing that would) it refuses at once.
-    defer = indices.is_cuda and backend.choose("embedding_dense_backward", indices.device).name == "triton"
+    defer = indices.is_cuda and plan.backend.name == "triton"
     idx = checked_indices(indices, weight.shape[0], op="embedding", defer=defer)
     return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
-
-
-_embedding = DirectOp("gradops::embedding", _embedding_body)
 
 
 def _lookup_results(plan, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> list[Result]:
     return [((*indices.shape, weight.shape[1]), weight.dtype, weight)]
 
 
-_embedding.register_fake(fake_of(check_embedding, _lookup_results))
+_embedding = DirectOp("gradops::embedding", _embedding_body, plan_embedding, _lookup_results, node=True)
 
 
 def _embedding_setup(ctx, inputs, output):
@@ -217,26 +224,6 @@ _embedding_dense_backward.register_autograd(_embedding_dense_backward_backward,
                                             setup_context=_embedding_dense_backward_setup)
 
 
-# ------------------------------------------------- the native node: eager recorded lookups on CPU (gradops.native)
-
-_NATIVE_VALUES = (torch.float32, torch.float16, torch.bfloat16)
-#: Indices the kernels read as they are; the other seven dtypes get CANN's conversion in Python first.
-_NATIVE_INDICES = (torch.int32, torch.int64)
-
-
-def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool):
-    """The native Embedding node for these dtypes, or None (see :mod:`gradops.native`). It runs the registered
-    kernels ``embedding`` and ``embedding_dense_backward`` (native/embedding.cpp)."""
-    if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
-        return None
-    return native.node("embedding", _differentiable_backward)
-
-
-# The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
-# that nothing records the direct program "embedding" (the range test, then the rows: gradops.cpu.embedding).
-plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry,
-                         program="embedding")
-_embedding.planner = plan_embedding
 
 
 def _differentiable_backward(inputs: list[Tensor], extra: tuple[int, int, bool]) -> tuple[Tensor]:
@@ -252,7 +239,7 @@ def _differentiable_backward(inputs: list[Tensor], extra: tuple[int, int, bool])
 def _native(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor | None:
     if type(padding_idx) is not int or type(scale_grad_by_freq) is not bool:  # the op's to refuse
         return None
-    return native_call("embedding", plan_embedding, (weight, indices), ints=(padding_idx, scale_grad_by_freq))
+    return _embedding.recorded(weight, indices, padding_idx, scale_grad_by_freq)
 
 
 _embedding.native = _native
@@ -285,5 +272,5 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
         rows = _native(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)
         if rows is not None:
             return rows
-    check_embedding(weight, indices, padding_idx, scale_grad_by_freq)  # before the table size is read
+    _embedding.validate(weight, indices, padding_idx, scale_grad_by_freq)  # before the table size is read
     return _embedding(weight, indices, no_padding_outside_table(padding_idx, weight.shape[0]), scale_grad_by_freq)

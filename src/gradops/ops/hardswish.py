@@ -6,38 +6,29 @@ from torch import Tensor
 
 from .. import native, reference
 from ..contract import hardswish as contract
-from ..contract._memo import remembered
-from ._direct import DirectOp, native_call, own
+from ._direct import DirectOp, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import Result, fake_of, into
+from ._out import Result, into
 from ._plan import Planner
 
 
 def _native_entry(choice, shape, x: Tensor):
     """The native Hardswish node, or None (see :mod:`gradops.native`): it runs the extension's registered
-    ``hardswish`` / ``hardswish_backward`` kernels."""
+    ``hardswish`` / ``hardswish_backward`` kernels (and records nothing where autograd does not record the call:
+    the op's body runs it too)."""
     return native.node("hardswish", _differentiable_backward)
 
 
-def _function_entry(name: str):
-    """The plans' ``native`` hook of the public functions: the extension's ``name`` (it runs the registered
-    kernels), or None (see :func:`gradops.native.function`)."""
-
-    def entry(choice, shape, *args: Tensor):
-        return native.function(name)
-
-    return entry
+def _backward_entry(choice, shape, grad_output: Tensor, self: Tensor):
+    """The extension's ``hardswish_backward`` (the registered kernel on torch's threads), or None (see
+    :func:`gradops.native.function`)."""
+    return native.function("hardswish_backward")
 
 
-# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
-# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
-check_hardswish = remembered(contract.check_hardswish)
-check_hardswish_backward = remembered(contract.check_hardswish_backward)
-plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry)
-plan_hardswish_forward = Planner("hardswish", contract.check_hardswish, native=_function_entry("hardswish_forward"),
-                                 program="hardswish")
+# Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
+plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry, program="hardswish")
 plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1,
-                                  native=_function_entry("hardswish_backward"), program="hardswish_backward")
+                                  native=_backward_entry, program="hardswish_backward")
 
 
 def _results(plan, *args: Tensor) -> list[Result]:
@@ -57,11 +48,8 @@ def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
     return _run(plan_hardswish_backward(grad_output, self), grad_output, self)
 
 
-_hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body)
-_hardswish_backward.planner = plan_hardswish_backward
-
-
-_hardswish_backward.register_fake(fake_of(check_hardswish_backward, _results))
+_hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body, plan_hardswish_backward,
+                               _results)
 
 
 def _hardswish_backward_formula(grad_output: Tensor, self: Tensor) -> tuple[Tensor]:
@@ -79,14 +67,10 @@ _hardswish_backward.register_autograd(_hardswish_backward_backward, setup_contex
 
 
 def _hardswish_body(self: Tensor) -> Tensor:
-    return _run(plan_hardswish_forward(self), self)
+    return _run(plan_hardswish(self), self)
 
 
-_hardswish = DirectOp("gradops::hardswish", _hardswish_body)
-_hardswish.planner = plan_hardswish_forward
-
-
-_hardswish.register_fake(fake_of(check_hardswish, _results))
+_hardswish = DirectOp("gradops::hardswish", _hardswish_body, plan_hardswish, _results, node=True)
 
 
 def _setup(ctx, inputs, output):
@@ -109,7 +93,7 @@ def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tenso
     return (_hardswish_backward(grad, x),)
 
 
-_hardswish.native = lambda x: native_call("hardswish", plan_hardswish, (x,))
+_hardswish.native = _hardswish.recorded
 
 
 def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
@@ -121,7 +105,7 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
         if _hardswish.direct_into(out, self):  # the common out= call, checked in C++ (see DirectOp.direct_into)
             return out
         return into("hardswish", plan_hardswish, _results, ("self",), (self,), out, (0,), via=_hardswish)[0]
-    return _hardswish(self, check=check_hardswish)
+    return _hardswish(self)
 
 
 def hardswish_output(x: Tensor) -> Tensor:
@@ -129,7 +113,7 @@ def hardswish_output(x: Tensor) -> Tensor:
     straight away (the op's own dispatch in front of it cost ~0.6 µs more: the module's forward at 8 x 8 fp32 took
     3.9 µs that way against torch.nn.Hardswish's 3.3, on 2 cores); every other call is :func:`hardswish`."""
     if isinstance(x, Tensor) and x.requires_grad:  # anything else is hardswish's to refuse, with its OpError
-        y = native_call("hardswish", plan_hardswish, (x,))
+        y = _hardswish.recorded(x)
     else:  # nothing records it (eval, no_grad): the direct call, without hardswish()'s and DirectOp's layers
         y = _hardswish.direct(x)
     return hardswish(x) if y is None else y
@@ -155,4 +139,4 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
             return out
         return into("hardswish_backward", plan_hardswish_backward, _results, ("grad_output", "self"),
                     (grad_output, self), out, via=_hardswish_backward)[0]
-    return _hardswish_backward(grad_output, self, check=check_hardswish_backward)
+    return _hardswish_backward(grad_output, self)

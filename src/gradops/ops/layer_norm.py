@@ -10,19 +10,11 @@ from torch import Tensor
 from .. import native, reference
 from ..contract import layer_norm as contract
 from ..contract._common import accumulator
-from ..contract._memo import remembered
 from ..contract.layer_norm import checked_statistic
-from ._direct import BODY, DirectOp, _records, eager_path, fit, native_call, own
+from ._direct import BODY, DirectOp, _records, eager_path, fit, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import Result, fake_of, into
+from ._out import Result, into
 from ._plan import Planner
-
-# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
-# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
-check_layer_norm = remembered(contract.check_layer_norm)
-check_layer_norm_backward = remembered(contract.check_layer_norm_backward)
-check_layer_norm_grad = remembered(contract.check_layer_norm_grad)
-check_layer_norm_grad_beta = remembered(contract.check_layer_norm_grad_beta)
 
 
 # What each op returns and what its backends take (2-D views), declared once: the fake kernels, out= and the
@@ -87,11 +79,8 @@ def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> 
     return plan.run(plan.shape, x, gamma, beta, epsilon)
 
 
-_layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body)
-_layer_norm.planner = plan_layer_norm
-
-
-_layer_norm.register_fake(fake_of(check_layer_norm, _results))
+# node: the module's call (layer_norm_output) takes the native node, which returns y alone
+_layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body, plan_layer_norm, _results, node=True)
 
 
 def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -112,11 +101,8 @@ def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
     return plan.run(plan.shape, dy, x, variance, mean, gamma, epsilon)
 
 
-_layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body)
-_layer_norm_grad.planner = plan_layer_norm_grad
-
-
-_layer_norm_grad.register_fake(fake_of(check_layer_norm_grad, _grad_results))
+_layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body, plan_layer_norm_grad,
+                            _grad_results)
 
 
 def _layer_norm_grad_beta_2d(fn, plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
@@ -132,11 +118,8 @@ def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tenso
     return plan.run(plan.shape, res_for_gamma, dy)
 
 
-_layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body)
-_layer_norm_grad_beta.planner = plan_layer_norm_grad_beta
-
-
-_layer_norm_grad_beta.register_fake(fake_of(check_layer_norm_grad_beta, _beta_results))
+_layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body,
+                                 plan_layer_norm_grad_beta, _beta_results)
 
 
 def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
@@ -157,11 +140,8 @@ def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     return plan.run(plan.shape, dy, x, mean, rstd, gamma)
 
 
-_layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body)
-_layer_norm_backward.planner = plan_layer_norm_backward
-
-
-_layer_norm_backward.register_fake(fake_of(check_layer_norm_backward, _backward_results))
+_layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body,
+                                plan_layer_norm_backward, _backward_results)
 
 
 def _layer_norm_backward_formula(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -253,7 +233,7 @@ def layer_norm_output(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) ->
         if found is not None:
             return found[0]
     elif type(epsilon) in (float, int):  # another type (a str, a bool) is the call plan's to refuse, with its OpError
-        y = native_call("layer_norm", plan_layer_norm, (x, gamma, beta), float(epsilon))
+        y = _layer_norm.recorded(x, gamma, beta, epsilon)
         if y is not None:
             return y
     return layer_norm(x, gamma, beta, epsilon)[0]
@@ -274,7 +254,7 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
             return tuple(out)
         return into("layer_norm", plan_layer_norm, _results, ("x", "gamma", "beta"), (x, gamma, beta, epsilon), out,
                     (0, 1, 2), views=_views, via=_layer_norm)
-    return _layer_norm(x, gamma, beta, epsilon, check=check_layer_norm)
+    return _layer_norm(x, gamma, beta, epsilon)
 
 
 def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -298,7 +278,7 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
         checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
         return into("layer_norm_grad", plan_layer_norm_grad, _grad_results, ("dy", "x", "variance", "mean", "gamma"),
                     args, out, views=_grad_views, via=_layer_norm_grad)
-    return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon, check=check_layer_norm_grad)
+    return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
 
 
 def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None
@@ -311,7 +291,7 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
             return tuple(out)
         return into("layer_norm_grad_beta", plan_layer_norm_grad_beta, _beta_results, ("res_for_gamma", "dy"),
                     (res_for_gamma, dy), out, views=_beta_views, via=_layer_norm_grad_beta)
-    return _layer_norm_grad_beta(res_for_gamma, dy, check=check_layer_norm_grad_beta)
+    return _layer_norm_grad_beta(res_for_gamma, dy)
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
@@ -340,4 +320,4 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
         return into("layer_norm_backward", plan_layer_norm_backward, _backward_results,
                     ("dy", "x", "mean", "rstd", "gamma"), args, out, views=_backward_views, via=_layer_norm_backward)
-    return _layer_norm_backward(dy, x, mean, rstd, gamma, check=check_layer_norm_backward)
+    return _layer_norm_backward(dy, x, mean, rstd, gamma)

@@ -9,18 +9,10 @@ import torch
 from torch import Tensor
 
 from ..contract import moe_permute as contract
-from ..contract._memo import remembered
 from ..contract.moe_permute import check_restore_shape
 from ._direct import BODY, DirectOp, eager_path, own
-from ._out import Result, fake_of, into
+from ._out import Result, into
 from ._plan import Planner
-
-# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
-# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
-check_moe_token_permute = remembered(contract.check_moe_token_permute)
-check_moe_token_permute_grad = remembered(contract.check_moe_token_permute_grad)
-check_moe_token_unpermute = remembered(contract.check_moe_token_unpermute)
-check_moe_token_unpermute_grad = remembered(contract.check_moe_token_unpermute_grad)
 
 
 # What each op returns and what its backends take, declared once: the fake kernels, out= and the adapters follow
@@ -85,11 +77,8 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
     return plan.run(plan.shape, permuted_output_grad, sorted_indices, num_topk, padded_mode)
 
 
-_moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body)
-_moe_token_permute_grad.planner = plan_moe_token_permute_grad
-
-
-_moe_token_permute_grad.register_fake(fake_of(check_moe_token_permute_grad, _permute_grad_results))
+_moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body,
+                                   plan_moe_token_permute_grad, _permute_grad_results)
 
 
 def _permute_2d(fn, plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
@@ -107,11 +96,8 @@ def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int
     return plan.run(plan.shape, tokens, indices, num_out_tokens, padded_mode)
 
 
-_moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body)
-_moe_token_permute.planner = plan_moe_token_permute
-
-
-_moe_token_permute.register_fake(fake_of(check_moe_token_permute, _permute_results))
+_moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body,
+                              plan_moe_token_permute, _permute_results)
 
 
 def _setup(ctx, inputs, output):
@@ -163,7 +149,7 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
             return tuple(out)
         return into("moe_token_permute", plan_moe_token_permute, _permute_results, ("tokens", "indices"),
                     (tokens, indices, num_out_tokens, padded_mode), out, (0,), views=_permute_views)
-    return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode, check=check_moe_token_permute)
+    return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
 
 def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -190,8 +176,7 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
         return into("moe_token_permute_grad", plan_moe_token_permute_grad, _permute_grad_results,
                     ("permuted_output_grad", "sorted_indices"), (permuted_output_grad, sorted_indices, num_topk,
                                                                  padded_mode), out, views=_permute_grad_views)[0]
-    return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode,
-                                   check=check_moe_token_permute_grad)
+    return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
 
 
 # ---------------------------------------------------------------- unpermute
@@ -210,11 +195,8 @@ def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, p
     return plan.run(plan.shape, permuted_tokens, sorted_indices, probs, padded_mode)
 
 
-_moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body)
-_moe_token_unpermute.planner = plan_moe_token_unpermute
-
-
-_moe_token_unpermute.register_fake(fake_of(check_moe_token_unpermute, _unpermute_results))
+_moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body,
+                                plan_moe_token_unpermute, _unpermute_results)
 
 
 def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -235,11 +217,8 @@ plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.che
                                         adapter=_unpermute_grad_2d, program="moe_token_unpermute_grad")
 
 
-_moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body)
-_moe_token_unpermute_grad.planner = plan_moe_token_unpermute_grad
-
-
-_moe_token_unpermute_grad.register_fake(fake_of(check_moe_token_unpermute_grad, _unpermute_grad_results))
+_moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body,
+                                     plan_moe_token_unpermute_grad, _unpermute_grad_results)
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -308,7 +287,7 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
                     ("permuted_tokens", "sorted_indices", "probs"), (permuted_tokens, sorted_indices, probs,
                                                                      padded_mode), out, (0, 2),
                     views=_unpermute_views)[0]
-    return _moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, check=check_moe_token_unpermute)
+    return _moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
 
 
 def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -342,5 +321,4 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
                     ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs"),
                     (permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode), out,
                     views=_unpermute_grad_views)
-    return _moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode,
-                                     check=check_moe_token_unpermute_grad)
+    return _moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)

@@ -14,15 +14,9 @@ import torch
 from torch import Tensor
 
 from ..contract import moe_routing as contract
-from ..contract._memo import remembered
 from ._direct import DirectOp, own
-from ._out import Result, fake_of, into
+from ._out import Result, into
 from ._plan import Planner
-
-check_permute = remembered(contract.check_moe_token_permute_with_routing_map)
-check_permute_grad = remembered(contract.check_moe_token_permute_with_routing_map_grad)
-check_unpermute = remembered(contract.check_moe_token_unpermute_with_routing_map)
-check_unpermute_grad = remembered(contract.check_moe_token_unpermute_with_routing_map_grad)
 
 
 def _run(fn, plan, *args):
@@ -77,9 +71,9 @@ def _moe_token_permute_with_routing_map_body(tokens: Tensor, routing_map: Tensor
     return plan.run(plan.shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad)
 
 
-_moe_token_permute_with_routing_map = DirectOp("gradops::moe_token_permute_with_routing_map",
-                                               _moe_token_permute_with_routing_map_body)
-_moe_token_permute_with_routing_map.register_fake(fake_of(check_permute, _permute_results))
+_moe_token_permute_with_routing_map = DirectOp(
+    "gradops::moe_token_permute_with_routing_map", _moe_token_permute_with_routing_map_body,
+    plan_moe_token_permute_with_routing_map, _permute_results)
 
 
 def _permute_setup(ctx, inputs, output):
@@ -117,9 +111,9 @@ def _moe_token_permute_with_routing_map_grad_body(permuted_tokens_grad: Tensor, 
     return plan.run(plan.shape, *args)
 
 
-_moe_token_permute_with_routing_map_grad = DirectOp("gradops::moe_token_permute_with_routing_map_grad",
-                                                    _moe_token_permute_with_routing_map_grad_body)
-_moe_token_permute_with_routing_map_grad.register_fake(fake_of(check_permute_grad, _permute_grad_results))
+_moe_token_permute_with_routing_map_grad = DirectOp(
+    "gradops::moe_token_permute_with_routing_map_grad", _moe_token_permute_with_routing_map_grad_body,
+    plan_moe_token_permute_with_routing_map_grad, _permute_grad_results)
 
 
 # ---------------------------------------------------------------- unpermute
@@ -131,9 +125,9 @@ def _moe_token_unpermute_with_routing_map_body(permuted_tokens: Tensor, sorted_i
     return plan.run(plan.shape, *args)
 
 
-_moe_token_unpermute_with_routing_map = DirectOp("gradops::moe_token_unpermute_with_routing_map",
-                                                 _moe_token_unpermute_with_routing_map_body)
-_moe_token_unpermute_with_routing_map.register_fake(fake_of(check_unpermute, _unpermute_results))
+_moe_token_unpermute_with_routing_map = DirectOp(
+    "gradops::moe_token_unpermute_with_routing_map", _moe_token_unpermute_with_routing_map_body,
+    plan_moe_token_unpermute_with_routing_map, _unpermute_results)
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -168,9 +162,9 @@ def _moe_token_unpermute_with_routing_map_grad_body(permuted_tokens: Tensor, gra
     return plan.run(plan.shape, *args)
 
 
-_moe_token_unpermute_with_routing_map_grad = DirectOp("gradops::moe_token_unpermute_with_routing_map_grad",
-                                                      _moe_token_unpermute_with_routing_map_grad_body)
-_moe_token_unpermute_with_routing_map_grad.register_fake(fake_of(check_unpermute_grad, _unpermute_grad_results))
+_moe_token_unpermute_with_routing_map_grad = DirectOp(
+    "gradops::moe_token_unpermute_with_routing_map_grad", _moe_token_unpermute_with_routing_map_grad_body,
+    plan_moe_token_unpermute_with_routing_map_grad, _unpermute_grad_results)
 
 
 # ---------------------------------------------------------------- public functions
@@ -213,7 +207,7 @@ def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, prob
         written = into("moe_token_permute_with_routing_map", plan_moe_token_permute_with_routing_map, _permute_results,
                        ("tokens", "routing_map", "probs"), args, out, differentiable=(0, 2))
         return written
-    return _moe_token_permute_with_routing_map(*args, check=check_permute)
+    return _moe_token_permute_with_routing_map(*args)
 
 
 def moe_token_permute_with_routing_map_grad(permuted_tokens_grad: Tensor, permuted_probs_grad: Tensor | None,
@@ -244,7 +238,7 @@ def moe_token_permute_with_routing_map_grad(permuted_tokens_grad: Tensor, permut
         return into("moe_token_permute_with_routing_map_grad", plan_moe_token_permute_with_routing_map_grad,
                     _permute_grad_results, ("permuted_tokens_grad", "permuted_probs_grad", "sorted_indices",
                                             "routing_map"), args, out)
-    return _moe_token_permute_with_routing_map_grad(*args, check=check_permute_grad)
+    return _moe_token_permute_with_routing_map_grad(*args)
 
 
 def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor, restore_shape: Sequence[int],
@@ -275,7 +269,7 @@ def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices
         return into("moe_token_unpermute_with_routing_map", plan_moe_token_unpermute_with_routing_map,
                     _unpermute_results, ("permuted_tokens", "sorted_indices", "restore_shape", "probs",
                                          "routing_map"), args, out, differentiable=(0, 3))[0]
-    return _moe_token_unpermute_with_routing_map(*args, check=check_unpermute)
+    return _moe_token_unpermute_with_routing_map(*args)
 
 
 def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor,
@@ -298,4 +292,4 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
         return into("moe_token_unpermute_with_routing_map_grad", plan_moe_token_unpermute_with_routing_map_grad,
                     _unpermute_grad_results, ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs",
                                               "routing_map"), args, out)
-    return _moe_token_unpermute_with_routing_map_grad(*args, check=check_unpermute_grad)
+    return _moe_token_unpermute_with_routing_map_grad(*args)

@@ -10,20 +10,14 @@ from torch import Tensor
 from .. import reference
 from ..contract import rms_norm as contract
 from ..contract._common import accumulator
-from ..contract._memo import remembered
 from ._direct import DirectOp, fit, own
 from ._double import compute_dtype, partial_vjp, save_inputs
-from ._out import Result, fake_of, into
+from ._out import Result, into
 from ._plan import Planner
-
-# Every call pays one key and one lookup for its validation and backend (ops/_plan.py); the full check runs on a
-# new shape, on every refusal, and on fake tensors while torch.compile traces (the fakes check only).
-check_rms_norm = remembered(contract.check_rms_norm)
-check_rms_norm_grad = remembered(contract.check_rms_norm_grad)
 
 
 # What each op returns and what its backends take, declared once: the fake kernel, out= and the adapter below
-# follow from these.
+# follow from these. Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
 def _grad_results(plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
     rows, cols, _ = plan
     return [(dy.shape, dy.dtype, dy, (rows, cols)), (gamma.shape, accumulator(dy.dtype), gamma, (cols,))]
@@ -58,11 +52,7 @@ def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> t
     return plan.run(plan.shape, dy, x, rstd, gamma)
 
 
-_rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body)
-_rms_norm_grad.planner = plan_rms_norm_grad
-
-
-_rms_norm_grad.register_fake(fake_of(check_rms_norm_grad, _grad_results))
+_rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body, plan_rms_norm_grad, _grad_results)
 
 
 def _rms_norm_grad_formula(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,11 +86,7 @@ def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Te
     return plan.run(plan.shape, x, gamma, epsilon)
 
 
-_rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body)
-_rms_norm.planner = plan_rms_norm
-
-
-_rms_norm.register_fake(fake_of(check_rms_norm, _results))
+_rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body, plan_rms_norm, _results)
 
 
 def _setup(ctx, inputs, output):
@@ -143,7 +129,7 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
             return tuple(out)
         return into("rms_norm", plan_rms_norm, _results, ("x", "gamma"), (x, gamma, epsilon), out, (0, 1),
                     views=_views, via=_rms_norm)
-    return _rms_norm(x, gamma, epsilon, check=check_rms_norm)
+    return _rms_norm(x, gamma, epsilon)
 
 
 def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tuple[Tensor, Tensor] | None = None
@@ -175,4 +161,4 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
             return tuple(out)
         return into("rms_norm_grad", plan_rms_norm_grad, _grad_results, ("dy", "x", "rstd", "gamma"),
                     (dy, x, rstd, gamma), out, views=_grad_views, via=_rms_norm_grad)
-    return _rms_norm_grad(dy, x, rstd, gamma, check=check_rms_norm_grad)
+    return _rms_norm_grad(dy, x, rstd, gamma)
