@@ -118,6 +118,34 @@ def _check(tokens: Tensor, topk_ids: Tensor, num_experts: int, world: int) -> in
     return topk_ids.shape[1] if topk_ids.dim() == 2 else 1
 
 
+def dispatch_local(tokens: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Handle]:
+    """The (token, k) copies grouped by expert on this rank, nothing exchanged: what :func:`dispatch` does at world
+    size 1, without its checks and its host sync (what a model's experts run every step; the ops check their own
+    arguments).
+
+    Args:
+        tokens: (T, H) tokens.
+        topk_ids: (T, K) or (T,) expert ids; ids ``>= num_experts`` (sentinels for experts on other ranks, as
+            transformers' expert parallelism writes them) sort to the tail and are not counted.
+        num_experts: E.
+
+    Returns:
+        ``(rows, offsets, handle)``: the (T*K, H) rows expert by expert (stable in token order); ``offsets`` (E,)
+        int32, the end row of each expert (a grouped matmul's offsets); the handle for :func:`combine`.
+        Differentiable w.r.t. ``tokens``.
+    """
+    rows, sorted_indices = moe_token_permute(tokens, topk_ids)
+    # Rows per expert by histc, as transformers' "grouped_mm" counts them: a fixed-size result (no host sync,
+    # CUDA-graph and torch.compile friendly) that drops the sentinels (> max) from the counts; CPU's histc takes
+    # only floats (exact for ids < 2**24), CUDA's deterministic histc only integers.
+    ids = topk_ids.reshape(-1)
+    counted = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
+    offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), 0, dtype=torch.int32)
+    n = rows.shape[0]
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    return rows, offsets, Handle(sorted_indices, None, [n], [n], tokens.shape[0], topk)
+
+
 def dispatch(tokens: Tensor, topk_ids: Tensor, num_experts: int, group: Any = None) -> tuple[Tensor, Tensor, Handle]:
     """Send each (token, k) copy to the rank owning expert ``topk_ids[t, k]``, grouped by local expert.
 

@@ -168,8 +168,9 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
                     ) -> Tensor:
     """The ``"gradops"`` experts implementation (the signature of transformers' ``ALL_EXPERTS_FUNCTIONS``).
 
-    permute (gradops) -> grouped up projection, gate / activation, grouped down projection (transformers'
-    grouped matmul dispatcher, its optional biases and post-expert norm) -> weighted unpermute (gradops).
+    local dispatch (gradops' permute, :func:`gradops.distributed.dispatch_local`) -> grouped up projection, gate /
+    activation, grouped down projection (transformers' grouped matmul dispatcher, its optional biases and
+    post-expert norm) -> combine (gradops' weighted unpermute, :func:`gradops.distributed.combine`).
     Differentiable w.r.t. ``hidden_states``, the expert weights and ``top_k_weights``; deterministic (no
     scatter-add anywhere in the token movement).
 
@@ -190,25 +191,21 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     up = self.gate_up_proj if self.has_gate else self.up_proj
     if any(t.dtype not in _FLOATS for t in (hidden_states, top_k_weights, up, self.down_proj)):
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    from . import distributed  # its import registers DTensor's sharding rules: not at gradops.transformers' import
+
     num_experts = self.num_experts
-    permuted, sorted_indices = ops.moe_token_permute(hidden_states, top_k_index)
-    # Rows per expert, for the grouped matmul's offsets. histc, as "grouped_mm" does: a fixed-size result (no
-    # host sync, CUDA-graph and torch.compile friendly) that drops the sentinels (> max) from the counts; CPU's
-    # histc takes only floats (exact for ids < 2**24), CUDA's deterministic histc only integers.
-    ids = top_k_index.reshape(-1)
-    counted = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
-    offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), 0,
-                           dtype=torch.int32)
+    permuted, offsets, handle = distributed.dispatch_local(hidden_states, top_k_index, num_experts)
     row_experts = None
     if self.has_bias:
         # The expert id of each permuted row (the bias to add): ids scattered to their permuted positions.
+        ids = top_k_index.reshape(-1)
         row_experts = torch.empty_like(ids)
-        row_experts[sorted_indices.long()] = ids
+        row_experts[handle.sorted_indices.long()] = ids
         row_experts.clamp_(max=num_experts - 1)
     out = grouped_experts(self, permuted, offsets, row_experts, sentinels=self._is_expert_parallel)
     if out.dtype != hidden_states.dtype and hidden_states.dtype == torch.float32:
         out = out.float()  # half-precision experts beside float32 tokens: merge in float32, as "grouped_mm" does
-    return ops.moe_token_unpermute(out, sorted_indices, top_k_weights).to(hidden_states.dtype)
+    return distributed.combine(out, handle, top_k_weights).to(hidden_states.dtype)
 
 
 def grouped_experts(self: torch.nn.Module, rows: Tensor, offsets: Tensor, row_experts: Tensor | None = None,
