@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import gradops
 from gradops import backend, native, reference
-
-rms_ops = importlib.import_module("gradops.ops.rms_norm")
-hardswish_ops = importlib.import_module("gradops.ops.hardswish")
+from gradops.ops import _hardswish as hardswish_ops
+from gradops.ops import _rms_norm as rms_ops
 
 #: What a failed build of the CPU kernels leaves behind (gradops.native.ensure_built), simulated.
 NOT_BUILT = "the native CPU kernels could not be built (CalledProcessError: simulated: no compiler)"

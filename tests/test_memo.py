@@ -3,8 +3,6 @@ refusals are never remembered."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -12,10 +10,9 @@ import gradops
 from gradops.contract import rms_norm as contract
 from gradops.contract._memo import LIMIT
 from gradops.contract.hardswish import check_hardswish
+from gradops.ops import _rms_norm as rms_ops
 from gradops.ops._plan import Planner, forget_all
 from gradops.status import OpError
-
-rms_ops = importlib.import_module("gradops.ops.rms_norm")
 
 
 def counted(check, op="rms_norm", device_arg=0):

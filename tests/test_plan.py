@@ -3,7 +3,6 @@ functional call and out= (issue 12), never remembering a refusal, lapsing with t
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 
@@ -12,10 +11,9 @@ import torch
 
 import gradops
 from gradops import aclnn, ascendc, backend, registry
+from gradops.ops import _rms_norm as rms
 from gradops.ops._plan import CallPlan, Planner, forget_all
 from gradops.status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR
-
-rms = importlib.import_module("gradops.ops.rms_norm")
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ the next launch, never a host synchronisation in the call)."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -31,7 +29,7 @@ def test_permute_grad_launcher_refuses_a_non_permutation(bad):
 def test_permute_grad_launcher_trusts_its_forward(launches, monkeypatch):
     """The backward of gradops' own permute skips the test (its sorted_indices is a permutation by construction,
     guarded by autograd's version counter): one device sort fewer per step, and the same gradient."""
-    module = importlib.import_module("gradops.launch.moe_permute")
+    from gradops.launch import _moe_permute as module
     tested = []
     real = module._guard_permutation
     monkeypatch.setattr(module, "_guard_permutation", lambda si, op: tested.append(op) or real(si, op))

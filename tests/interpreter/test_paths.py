@@ -292,9 +292,8 @@ def test_public_embedding_backward_tests_integer_indices_once(monkeypatch):
     """On the Triton backend the public function leaves the range test of integer indices to the launcher (on CUDA
     the ops layer's own test is six more device calls per call): the refusal is the same OpError; float indices
     (truncated, NaN refused) still take the ops layer's test."""
-    import importlib
 
-    module = importlib.import_module("gradops.ops.embedding")
+    from gradops.ops import _embedding as module
     calls = []
     real = module.checked_indices
     monkeypatch.setattr(module, "checked_indices", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))

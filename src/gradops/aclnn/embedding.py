@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..contract.embedding import checked_indices
-from ..ops.embedding import plan_embedding_dense_backward
+from ..ops._embedding import plan_embedding_dense_backward
 from ..status import ACLNN_ERR_PARAM_INVALID, OpError
 from ._executor import aclOpExecutor, execute, plan, prepare, refused
 

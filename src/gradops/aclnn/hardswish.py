@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..ops.hardswish import plan_hardswish_backward
+from ..ops._hardswish import plan_hardswish_backward
 from ..status import OpError
 from ._executor import aclOpExecutor, execute, plan, prepare, refused
 

@@ -47,7 +47,7 @@ from ..contract._common import (
     require_same_dtype,
     shape_text,
 )
-from ..ops.layer_norm import layer_norm_backward, plan_layer_norm_backward
+from ..ops._layer_norm import layer_norm_backward, plan_layer_norm_backward
 from ..status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ACLNN_SUCCESS, OpError
 from ._executor import aclOpExecutor, execute, refused
 

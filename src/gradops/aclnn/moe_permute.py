@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..contract.moe_permute import check_restore_shape
-from ..ops.moe_permute import (
+from ..ops._moe_permute import (
     plan_moe_token_permute,
     plan_moe_token_permute_grad,
     plan_moe_token_unpermute,

@@ -6,7 +6,7 @@ Validation is :mod:`gradops.contract.moe_routing` with ``cann=True`` (sorted ind
 plus each out's shape and dtype: 161001 for a missing tensor (an optional out is required where its input is
 given), 161002 for a dtype or shape, 561002 for a shape of the unpermute gradient (CANN finds those while tiling).
 Values (sorted indices, a routing map row with more than K experts) are read when the executor runs: a bad one
-returns 161002 from phase 2 with the outs untouched. The work is the PyTorch API's (:mod:`gradops.ops.moe_routing`):
+returns 161002 from phase 2 with the outs untouched. The work is the PyTorch API's (:mod:`gradops.ops._moe_routing`):
 its results are copied into the outs, so no workspace is needed.
 
 The unpermute's extra outputs: with dropAndPad ``permuteTokenId, outIndex = sort(sortedIndices, stable)`` (values,
@@ -25,8 +25,8 @@ from torch import Tensor
 from .. import backend, registry
 from ..contract import moe_routing as contract
 from ..contract._common import fail, require_present, shape_text
-from ..ops import moe_routing as ops
-from ..reference import moe_routing as routing
+from ..ops import _moe_routing as ops
+from ..reference import _moe_routing as routing
 from ..status import ACLNN_ERR_INNER_TILING_ERROR as TILING
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import ACLNN_ERR_PARAM_NULLPTR as NULLPTR

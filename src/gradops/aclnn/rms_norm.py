@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..ops.rms_norm import plan_rms_norm, plan_rms_norm_grad
+from ..ops._rms_norm import plan_rms_norm, plan_rms_norm_grad
 from ..status import OpError
 from ._executor import aclOpExecutor, execute, plan, prepare, refused
 

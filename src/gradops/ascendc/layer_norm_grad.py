@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..contract._common import fail, require_dtype, require_present, require_same_device, shape_text
 from ..contract.layer_norm import check_layer_norm_grad_beta
-from ..ops.layer_norm import plan_layer_norm_grad
+from ..ops._layer_norm import plan_layer_norm_grad
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
 from .tiling import LayerNormGradBetaTiling
@@ -187,7 +187,7 @@ def LayerNormGrad(outputPdX: Tensor, resForGamma: Tensor, inputDy: Tensor, input
     """AscendC LayerNormGrad: writes ``pd_x`` and ``resForGamma = (x - mean) * (variance + epsilon)^-0.5``.
 
     The formula is AscendC's, term by term (``pd_var``, ``pd_mean`` with its ``sum(x - mean)`` term; see
-    :mod:`gradops.reference.layer_norm`), validated and run by the op's call plan (:mod:`gradops.ops._plan`: the
+    :mod:`gradops.reference._layer_norm`), validated and run by the op's call plan (:mod:`gradops.ops._plan`: the
     table's CANN-strict check and the backend :func:`gradops.layer_norm_grad` runs). The LayerNormGrad tiling and
     temporary buffer only schedule the same arithmetic on the NPU and are not ported.
 

@@ -15,7 +15,7 @@ tokens. Two modes:
   fewer tokens than rows to fill.
 
 Everything here reads metadata only; the values (-1 slots, a row named twice, a token id outside [0, T), a row
-routed too often) are tested by :mod:`gradops.ops.moe_routing` before any kernel reads with them.
+routed too often) are tested by :mod:`gradops.ops._moe_routing` before any kernel reads with them.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ if interpreting():  # before any kernel runs: make the interpreter work with Num
     _apply_interpreter_fix()
 
 from ._common import LAUNCHES
-from .embedding import embedding_dense_backward, embedding_dense_backward_workspace
-from .hardswish import hardswish, hardswish_backward
-from .layer_norm import (
+from ._embedding import embedding_dense_backward, embedding_dense_backward_workspace
+from ._hardswish import hardswish, hardswish_backward
+from ._layer_norm import (
     layer_norm,
     layer_norm_backward,
     layer_norm_backward_workspace,
@@ -24,7 +24,7 @@ from .layer_norm import (
     layer_norm_grad_beta,
     layer_norm_grad_beta_workspace,
 )
-from .moe_permute import (
+from ._moe_permute import (
     moe_token_permute,
     moe_token_permute_grad,
     moe_token_permute_with_routing_map,
@@ -35,7 +35,7 @@ from .moe_permute import (
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from .rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+from ._rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
 
 __all__ = [
     "LAUNCHES", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",

@@ -1,7 +1,7 @@
 // LayerNorm's CPU kernels: the forward (y, mean, variance), AscendC's LayerNormGrad and LayerNormGradBeta, and the
 // fused backward (aclnnLayerNormBackward), in the calling convention of kernels.h.
 //
-// Formulas (see gradops.reference.layer_norm and docs/semantics.md), all in float32 with float32 accumulation
+// Formulas (see gradops.reference._layer_norm and docs/semantics.md), all in float32 with float32 accumulation
 // whatever the storage dtype, x - mean written xmu, dy·gamma written pd_xl:
 //  - forward: mean = sum(x)/N, var = sum(xmu^2)/N (biased, two passes), y = xmu·rsqrt(var + eps)·gamma + beta;
 //  - LayerNormGrad (AscendC, term by term, its sum(xmu) term included): rstd = (var + eps)^-0.5,

@@ -18,7 +18,7 @@ gives the true total derivative: those statistics are the forward op's outputs, 
 the forward op's backward as ``drstd`` / ``dmean`` / ``dvar``, whose terms that backward already has.
 
 ``embedding_dense_backward`` is linear in grad and has a hand-written gather instead (see
-:mod:`gradops.ops.embedding`). ``hardswish_backward``'s derivative keeps CANN's closed interval: ``g / 3`` for x on
+:mod:`gradops.ops._embedding`). ``hardswish_backward``'s derivative keeps CANN's closed interval: ``g / 3`` for x on
 [-3, 3], kinks included, where torch's formula has the open interval.
 
 Not covered: AscendC's ``layer_norm_grad`` / ``layer_norm_grad_beta`` and the MoE backward ops (their torch

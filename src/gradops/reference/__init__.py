@@ -4,17 +4,17 @@
 Functions take the 2-D views and checked indices the dispatch layer prepares; they never validate.
 """
 
-from .embedding import embedding_dense_backward
-from .hardswish import hardswish, hardswish_backward
-from .layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
-from .moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
-from .moe_routing import (
+from ._embedding import embedding_dense_backward
+from ._hardswish import hardswish, hardswish_backward
+from ._layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
+from ._moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
+from ._moe_routing import (
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from .rms_norm import rms_norm, rms_norm_grad
+from ._rms_norm import rms_norm, rms_norm_grad
 
 __all__ = [
     "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",

@@ -1,6 +1,6 @@
 """The routing-map MoE ops (aclnnMoeTokenPermuteWithRoutingMap / UnpermuteWithRoutingMap and their gradients):
 their declarations (see :mod:`gradops.spec`). Every backend runs them as slot tables over its permute-family
-kernels (:mod:`gradops.reference.moe_routing`)."""
+kernels (:mod:`gradops.reference._moe_routing`)."""
 
 from __future__ import annotations
 

@@ -117,6 +117,6 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
 
 def kernels(compute: torch.dtype = torch.float32) -> tuple:
     """This family's functions as the routing-map ops run them (the order of
-    :class:`gradops.reference.moe_routing.Kernels`), the sums in ``compute``."""
+    :class:`gradops.reference._moe_routing.Kernels`), the sums in ``compute``."""
     return (moe_token_permute, partial(moe_token_permute_grad, compute=compute),
             partial(moe_token_unpermute, compute=compute), partial(moe_token_unpermute_grad, compute=compute))

@@ -21,7 +21,7 @@ from ..contract.moe_permute import (
     permutation_error,
     sorted_index_error,
 )
-from ..reference import moe_routing as routing
+from ..reference import _moe_routing as routing
 from ._host import dense, finish, kernel, output
 from .programs import BUILDERS, Program, arg
 
@@ -151,7 +151,7 @@ def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad
     return moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted)
 
 # ---------------------------------------------------------------- the routing-map ops
-# The permute family's kernels above on the slot tables of gradops.reference.moe_routing (docs/semantics.md §5b).
+# The permute family's kernels above on the slot tables of gradops.reference._moe_routing (docs/semantics.md §5b).
 (moe_token_permute_with_routing_map, moe_token_permute_with_routing_map_grad, moe_token_unpermute_with_routing_map,
  moe_token_unpermute_with_routing_map_grad) = routing.ops_on(routing.Kernels(
     moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad))

@@ -133,7 +133,7 @@ def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: i
 
 
 # The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
-# that nothing records the direct program "embedding" (the range test, then the rows: gradops.cpu.embedding).
+# that nothing records the direct program "embedding" (the range test, then the rows: gradops.cpu._embedding).
 plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry,
                          program="embedding")
 

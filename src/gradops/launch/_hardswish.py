@@ -43,7 +43,7 @@ def _coalesce(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[l
 def _run(g: Tensor | None, x: Tensor, out: Tensor | None) -> Tensor:
     # Both launches pass enable_fp_fusion=False: the backward's x·(1/3) + 0.5 must round the product first, as
     # CANN's Muls/Adds and the other backends do (an FMA gives -1.49e-8 instead of 0 at x = -1.5; see
-    # gradops.cpu.hardswish). The interpreter ignores the option; numpy never fuses.
+    # gradops.cpu._hardswish). The interpreter ignores the option; numpy never fuses.
     backward = g is not None
     # empty_like keeps x's strides when x is dense, else is contiguous; a caller's out is contiguous
     out = torch.empty_like(x) if out is None else outputs(out, [(x.shape, x.dtype)], x.device)[0]

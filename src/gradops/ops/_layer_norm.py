@@ -262,7 +262,7 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     """AscendC LayerNormGrad: ``(pdx, res_for_gamma)`` for dy, x of shape (..., H).
 
     Uses ``rstd = (variance + epsilon)^-0.5`` and CANN's formula term by term (see
-    :mod:`gradops.reference.layer_norm`); ``res_for_gamma = (x - mean) * rstd`` feeds
+    :mod:`gradops.reference._layer_norm`); ``res_for_gamma = (x - mean) * rstd`` feeds
     :func:`layer_norm_grad_beta`. Both results in x's dtype. mean and variance: float32 or x's dtype, shape
     ``x.shape[:-1]`` (or keepdim). ``out``: optional preallocated ``(pdx, res_for_gamma)``.
 

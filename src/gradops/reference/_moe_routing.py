@@ -13,7 +13,7 @@ some slot names), so the permute family's fused gather-sums run on it unchanged,
 - permuted rows (permute forward, unpermute backward without probs): ``index_select`` by the token of each row.
 
 :class:`Kernels` names the three functions: this module's public functions run them on the reference's
-(:mod:`gradops.reference.moe_permute`, in ``compute``), :mod:`gradops.cpu` and :mod:`gradops.launch` on theirs, so
+(:mod:`gradops.reference._moe_permute`, in ``compute``), :mod:`gradops.cpu` and :mod:`gradops.launch` on theirs, so
 every backend shares the tables and differs only in its kernels: fixed summation order, no atomics. The tables
 are integer work on T·E elements; reading them takes one host synchronisation per call (the number of live rows,
 and the value tests: a token routed to more than K experts, an index outside its range, a row named twice), as
@@ -34,7 +34,7 @@ from ..contract._common import fail
 from ..contract.moe_permute import MAX_TOPK
 from ..status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ..status import OpError
-from . import moe_permute
+from . import _moe_permute as moe_permute
 
 PERMUTE, PERMUTE_GRAD = "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad"
 UNPERMUTE, UNPERMUTE_GRAD = "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad"

@@ -15,7 +15,7 @@ from ..kernels.moe_permute import (
     moe_token_unpermute_grad_kernel,
     moe_token_unpermute_kernel,
 )
-from ..reference import moe_routing as routing
+from ..reference import _moe_routing as routing
 from ._common import carve, guard, launch, outputs, workspace_bytes
 
 
@@ -191,7 +191,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
 
 
 # ---------------------------------------------------------------- the routing-map ops
-# The permute family's kernels above on the slot tables of gradops.reference.moe_routing (docs/semantics.md §5b).
+# The permute family's kernels above on the slot tables of gradops.reference._moe_routing (docs/semantics.md §5b).
 (moe_token_permute_with_routing_map, moe_token_permute_with_routing_map_grad, moe_token_unpermute_with_routing_map,
  moe_token_unpermute_with_routing_map_grad) = routing.ops_on(routing.Kernels(
     moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad))

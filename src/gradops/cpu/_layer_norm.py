@@ -3,7 +3,7 @@ of the native kernels ``layer_norm``, ``layer_norm_grad``, ``layer_norm_grad_bet
 (gradops/native/layer_norm.cpp: formulas, float32 math, row-parallel, deterministic column sums).
 
 LayerNormGrad follows AscendC's formula term by term, including the ``sum(x - mean)`` term (see
-:mod:`gradops.reference.layer_norm`). Byte models: grad ``M·N·(s_dy + s_x + 2·s_x) + 8M + N·s_g`` (pdx and
+:mod:`gradops.reference._layer_norm`). Byte models: grad ``M·N·(s_dy + s_x + 2·s_x) + 8M + N·s_g`` (pdx and
 res_for_gamma written); grad_beta ``2·M·N·s + 2·N·s``; fused backward ``M·N·(s_dy + s_x + s_dx) + 8M + N·(s_g + 8)``.
 """
 

@@ -2,7 +2,7 @@
 gradients): torch.library ops, autograd and the public functions.
 
 Each body runs its call plan (:mod:`gradops.ops._plan`: the contract's check, the backend for the device); every
-backend runs the op as a slot table plus its permute-family kernels (:mod:`gradops.reference.moe_routing`), so the
+backend runs the op as a slot table plus its permute-family kernels (:mod:`gradops.reference._moe_routing`), so the
 results are the same on every path up to the kernels' own float32 rounding, with no atomics.
 """
 
