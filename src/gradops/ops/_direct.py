@@ -342,7 +342,7 @@ class DirectOp:
         (:meth:`_remember`, the entry the direct calls share). Under no_grad this costs one C call."""
         if not python_allows_native():  # first: under torch.compile this is all dynamo traces of the native path
             return None
-        found = self._extension()
+        found = self._loaded()
         if found is None:
             return None
         ext, op, planned = found
@@ -361,6 +361,11 @@ class DirectOp:
         cannot take the call."""
         if self.planner.program is None or not _enabled or _is_compiling():
             return None
+        return self._loaded()
+
+    def _loaded(self) -> tuple[Any, int, Any] | None:
+        """:meth:`_extension` without the path's tests (:meth:`recorded` made them in
+        :func:`python_allows_native`)."""
         ext = native.module()
         if ext is None:
             return None
