@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _runtime
+from .. import _runtime, native
 
 ENV = "GRADOPS_CPU_POOL_MB"
 #: Below 1 MiB outputs come from malloc: a numpy block and its finalizer cost ~10 µs per output, and even the
-#: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/autograd.cpp).
-MIN_BYTES = 1 << 20
+#: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/autograd.cpp, whose
+#: kPoolMin is the one definition: this package loads only with the extension).
+MIN_BYTES: int = native.kernels().POOL_MIN
 _VIEW = {torch.float32: (np.float32, None), torch.int32: (np.int32, None), torch.int64: (np.int64, None),
          torch.float16: (np.int16, torch.float16), torch.bfloat16: (np.uint16, torch.bfloat16)}
 
