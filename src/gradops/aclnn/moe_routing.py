@@ -76,12 +76,12 @@ def aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize(tokens: Tensor, routingMa
         ``(status, workspace_size, executor)``.
     """
     try:
-        plan = contract.check_moe_token_permute_with_routing_map(tokens, routingMap, probsOptional, numOutTokens,
+        shape = contract.check_moe_token_permute_with_routing_map(tokens, routingMap, probsOptional, numOutTokens,
                                                                  dropAndPad, cann=True)
-        slots = plan.per * (plan.experts if dropAndPad else plan.tokens)
-        outs = {"permuteTokensOut": (permuteTokensOut, (plan.rows, plan.hidden), tokens.dtype)}
+        slots = shape.per * (shape.experts if dropAndPad else shape.tokens)
+        outs = {"permuteTokensOut": (permuteTokensOut, (shape.rows, shape.hidden), tokens.dtype)}
         if probsOptional is not None:
-            outs["permuteProbsOutOptional"] = (permuteProbsOutOptional, (plan.rows,), probsOptional.dtype)
+            outs["permuteProbsOutOptional"] = (permuteProbsOutOptional, (shape.rows,), probsOptional.dtype)
         outs["sortedIndicesOut"] = (sortedIndicesOut, (slots,), torch.int32)
         _outs(PERMUTE, tokens.device, outs)
         choice = _choice(ops.moe_token_permute_with_routing_map, tokens.device)
@@ -128,12 +128,12 @@ def aclnnMoeTokenPermuteWithRoutingMapGradGetWorkspaceSize(permutedTokenOutputGr
     """
     grad, grad_probs = permutedTokenOutputGrad, permutedProbsOutputGradOptional
     try:
-        plan = contract.check_moe_token_permute_with_routing_map_grad(grad, grad_probs, sortedIndices,
+        shape = contract.check_moe_token_permute_with_routing_map_grad(grad, grad_probs, sortedIndices,
                                                                       routingMapOptional, numExperts, tokensNum,
                                                                       dropAndPad, cann=True)
-        outs = {"tokensGradOut": (tokensGradOut, (plan.tokens, plan.hidden), grad.dtype)}
+        outs = {"tokensGradOut": (tokensGradOut, (shape.tokens, shape.hidden), grad.dtype)}
         if grad_probs is not None:
-            outs["probsGradOutOptional"] = (probsGradOutOptional, (plan.tokens, numExperts), grad_probs.dtype)
+            outs["probsGradOutOptional"] = (probsGradOutOptional, (shape.tokens, numExperts), grad_probs.dtype)
         _outs(PERMUTE_GRAD, grad.device, outs)
         choice = _choice(ops.moe_token_permute_with_routing_map_grad, grad.device)
     except OpError as e:
@@ -194,11 +194,11 @@ def aclnnMoeTokenUnpermuteWithRoutingMapGetWorkspaceSize(permutedTokens: Tensor,
         require_present(UNPERMUTE, permuted_tokens=permutedTokens, sorted_indices=sortedIndices)
         restore = _restore_shape(UNPERMUTE, restoreShapeOptional, probsOptional, routingMapOptional,
                                  permutedTokens.shape[-1])
-        plan = contract.check_moe_token_unpermute_with_routing_map(permutedTokens, sortedIndices, restore,
+        shape = contract.check_moe_token_unpermute_with_routing_map(permutedTokens, sortedIndices, restore,
                                                                    probsOptional, routingMapOptional, paddedMode,
                                                                    cann=True)
         n = sortedIndices.numel()
-        outs = {"unpermutedTokens": (unpermutedTokens, (plan.tokens, plan.hidden), permutedTokens.dtype)}
+        outs = {"unpermutedTokens": (unpermutedTokens, (shape.tokens, shape.hidden), permutedTokens.dtype)}
         for name, t in (("outIndex", outIndex), ("permuteTokenId", permuteTokenId)):
             if t is not None:
                 outs[name] = (t, (n,), torch.int32)
@@ -286,15 +286,15 @@ def aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize(unpermutedTokensGra
             permutedTokensGradOut.shape)
     try:
         require_present(UNPERMUTE_GRAD, out_index=outIndex, permute_token_id=permuteTokenId)
-        plan = contract.check_moe_token_unpermute_with_routing_map_grad(permuted, grad, outIndex, probs,
+        shape = contract.check_moe_token_unpermute_with_routing_map_grad(permuted, grad, outIndex, probs,
                                                                         routingMapOptional, dropAndPad, cann=True)
         if permuteTokenId.dtype != torch.int32 or permuteTokenId.shape != outIndex.shape:
             given = f"{str(permuteTokenId.dtype).removeprefix('torch.')} of shape {shape_text(permuteTokenId.shape)}"
             raise fail(INVALID, UNPERMUTE_GRAD, "permute_token_id", f"int32 of shape {shape_text(outIndex.shape)}",
                        given)
-        outs = {"permutedTokensGradOut": (permutedTokensGradOut, (plan.rows, plan.hidden), permuted.dtype)}
+        outs = {"permutedTokensGradOut": (permutedTokensGradOut, (shape.rows, shape.hidden), permuted.dtype)}
         if probs is not None:
-            outs["probsGradOutOptional"] = (probsGradOutOptional, (plan.tokens, plan.experts), probs.dtype)
+            outs["probsGradOutOptional"] = (probsGradOutOptional, (shape.tokens, shape.experts), probs.dtype)
         _outs(UNPERMUTE_GRAD, grad.device, outs, TILING)
         choice = _choice(ops.moe_token_unpermute_with_routing_map_grad, grad.device)
     except OpError as e:

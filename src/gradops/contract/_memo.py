@@ -1,7 +1,7 @@
 """The key of a call's argument metadata: what every ``check_*`` of the validation tables reads.
 
 Every check reads metadata only (:mod:`gradops.contract._common`): each tensor's type, layout, shape, dtype and
-device, and each scalar's type and value. Its answer - the plan (rows, columns, result shapes) or a refusal - is a
+device, and each scalar's type and value. Its answer - the shape (rows, columns, result shapes) or a refusal - is a
 function of that metadata, so an op's call plan (:class:`gradops.ops._plan.Planner`) remembers it under
 :func:`key_of`. Measured on the 2-core CI machine at 8 x 8 fp32: ``check_rms_norm_grad`` 13-25 µs, a remembered
 answer 2-3 µs (the key: four tensors' shape, dtype and device).

@@ -36,13 +36,13 @@ INDEX_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.
                 torch.uint8, torch.bool)
 
 
-class EmbeddingPlan(NamedTuple):
+class EmbeddingShape(NamedTuple):
     rows: int  # N = indices.numel(): rows of the 2-D grad view
     dim: int   # E = grad.shape[-1]
 
 
 def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, *,
-                                   out=None, cann: bool = False) -> EmbeddingPlan:
+                                   out=None, cann: bool = False) -> EmbeddingShape:
     op = "embedding_dense_backward"
     outs = {"out": out} if cann else {}
     require_present(op, grad=grad, indices=indices, **outs)
@@ -63,7 +63,7 @@ def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, s
                    f"leading dims whose product is indices.numel() = {indices.numel()}", shape_text(grad.shape))
     if cann:
         require_shape(op, "out", out, (num_weights, dim), "(numWeights, grad.shape[-1])")
-    return EmbeddingPlan(indices.numel(), dim)
+    return EmbeddingShape(indices.numel(), dim)
 
 
 def out_dtypes(grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -35,7 +35,7 @@ from ._common import (
 ASCENDC_DTYPES = (torch.float16, torch.float32)
 
 
-class LayerNormPlan(NamedTuple):
+class LayerNormShape(NamedTuple):
     rows: int
     cols: int
 
@@ -62,58 +62,58 @@ def _check_stat(op: str, name: str, s: torch.Tensor, x: torch.Tensor) -> None:
                    shape_text(s.shape))
 
 
-def _check_x(op: str, x: torch.Tensor, cann: bool) -> LayerNormPlan:
+def _check_x(op: str, x: torch.Tensor, cann: bool) -> LayerNormShape:
     require_dtype(op, "x", x, _dtypes(cann))
     require_rank(op, "x", x, 1, MAX_RANK)
-    return LayerNormPlan(numel(x.shape[:-1]), x.shape[-1])
+    return LayerNormShape(numel(x.shape[:-1]), x.shape[-1])
 
 
-def check_layer_norm(x, gamma, beta, epsilon: float = 1e-5) -> LayerNormPlan:
+def check_layer_norm(x, gamma, beta, epsilon: float = 1e-5) -> LayerNormShape:
     """Validate ``layer_norm(x, gamma, beta, epsilon)`` (normalised over the last dim)."""
     op = "layer_norm"
     require_present(op, x=x, gamma=gamma, beta=beta)
     require_float(op, "epsilon", epsilon)
     require_same_device(op, x=x, gamma=gamma, beta=beta)
-    plan = _check_x(op, x, False)
+    shape = _check_x(op, x, False)
     _check_param_dtype(op, "gamma", gamma, x, False)
     _check_param_dtype(op, "beta", beta, x, False)
     require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
     require_shape(op, "beta", beta, x.shape[-1:], "(H,) with H = x.shape[-1]")
-    return plan
+    return shape
 
 
-def check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon: float = 1e-5, *, cann: bool = False) -> LayerNormPlan:
+def check_layer_norm_grad(dy, x, variance, mean, gamma, epsilon: float = 1e-5, *, cann: bool = False) -> LayerNormShape:
     """Validate ``layer_norm_grad(dy, x, variance, mean, gamma, epsilon)`` (AscendC LayerNormGrad)."""
     op = "layer_norm_grad"
     require_present(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
     require_float(op, "epsilon", epsilon)
     require_same_device(op, dy=dy, x=x, variance=variance, mean=mean, gamma=gamma)
-    plan = _check_x(op, x, cann)
+    shape = _check_x(op, x, cann)
     require_same_dtype(op, "dy", dy, "x", x)
     _check_param_dtype(op, "gamma", gamma, x, cann)
     require_shape(op, "dy", dy, x.shape, "the shape of x")
     _check_stat(op, "variance", variance, x)
     _check_stat(op, "mean", mean, x)
     require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
-    return plan
+    return shape
 
 
-def check_layer_norm_backward(dy, x, mean, rstd, gamma) -> LayerNormPlan:
+def check_layer_norm_backward(dy, x, mean, rstd, gamma) -> LayerNormShape:
     """Validate the fused ``layer_norm_backward(dy, x, mean, rstd, gamma)``."""
     op = "layer_norm_backward"
     require_present(op, dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
     require_same_device(op, dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma)
-    plan = _check_x(op, x, False)
+    shape = _check_x(op, x, False)
     require_same_dtype(op, "dy", dy, "x", x)
     _check_param_dtype(op, "gamma", gamma, x, False)
     require_shape(op, "dy", dy, x.shape, "the shape of x")
     _check_stat(op, "mean", mean, x)
     _check_stat(op, "rstd", rstd, x)
     require_shape(op, "gamma", gamma, x.shape[-1:], "(H,) with H = x.shape[-1]")
-    return plan
+    return shape
 
 
-def check_layer_norm_grad_beta(res_for_gamma, dy, *, cann: bool = False) -> LayerNormPlan:
+def check_layer_norm_grad_beta(res_for_gamma, dy, *, cann: bool = False) -> LayerNormShape:
     """Validate ``layer_norm_grad_beta(res_for_gamma, dy)`` (AscendC LayerNormGradBeta)."""
     op = "layer_norm_grad_beta"
     require_present(op, res_for_gamma=res_for_gamma, dy=dy)
@@ -122,7 +122,7 @@ def check_layer_norm_grad_beta(res_for_gamma, dy, *, cann: bool = False) -> Laye
     require_same_dtype(op, "res_for_gamma", res_for_gamma, "dy", dy)
     require_rank(op, "dy", dy, 1, MAX_RANK)
     require_shape(op, "res_for_gamma", res_for_gamma, dy.shape, "the shape of dy")
-    return LayerNormPlan(numel(dy.shape[:-1]), dy.shape[-1])
+    return LayerNormShape(numel(dy.shape[:-1]), dy.shape[-1])
 
 
 def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) -> None:

@@ -40,7 +40,7 @@ MAX_TOPK = 512
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-class MoePlan(NamedTuple):
+class MoeShape(NamedTuple):
     tokens: int    # T
     topk: int      # K
     hidden: int    # H
@@ -63,7 +63,7 @@ def out_rows(num_out_tokens: int | None, total: int) -> int:
 
 
 def check_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False, *, permuted=None,
-                            sorted_indices=None, cann: bool = False) -> MoePlan:
+                            sorted_indices=None, cann: bool = False) -> MoeShape:
     op = "moe_token_permute"
     outs = {"permuteTokensOut": permuted, "sortedIndicesOut": sorted_indices} if cann else {}
     require_present(op, tokens=tokens, indices=indices, **outs)
@@ -85,15 +85,15 @@ def check_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=Fa
     k = indices.shape[1] if indices.dim() == 2 else 1
     if not 1 <= k <= MAX_TOPK:
         raise fail(INVALID, op, "indices.shape[1]", f"a top-k in [1, {MAX_TOPK}]", str(k))
-    plan = MoePlan(t, k, h, out_rows(num_out_tokens, t * k))
+    shape = MoeShape(t, k, h, out_rows(num_out_tokens, t * k))
     if cann:
-        require_shape(op, "permuteTokensOut", permuted, (plan.rows, h), "(numOutTokens, H)")
+        require_shape(op, "permuteTokensOut", permuted, (shape.rows, h), "(numOutTokens, H)")
         require_shape(op, "sortedIndicesOut", sorted_indices, (t * k,), "(T*K,)")
-    return plan
+    return shape
 
 
 def check_moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=False, *, out=None,
-                                 cann: bool = False) -> MoePlan:
+                                 cann: bool = False) -> MoeShape:
     op = "moe_token_permute_grad"
     outs = {"out": out} if cann else {}
     require_present(op, permuted_output_grad=grad, sorted_indices=sorted_indices, **outs)
@@ -114,10 +114,10 @@ def check_moe_token_permute_grad(grad, sorted_indices, num_topk, padded_mode=Fal
     if rows > total:
         raise fail(INVALID, op, "permuted_output_grad.shape",
                    f"at most T*K = {total} rows (fewer when tokens were dropped)", shape_text(grad.shape))
-    plan = MoePlan(total // num_topk, num_topk, h, rows)
+    shape = MoeShape(total // num_topk, num_topk, h, rows)
     if cann:
-        require_shape(op, "out", out, (plan.tokens, h), "(T, H) with T = sorted_indices.numel() / num_topk")
-    return plan
+        require_shape(op, "out", out, (shape.tokens, h), "(T, H) with T = sorted_indices.numel() / num_topk")
+    return shape
 
 
 def sorted_index_error(value: int, position: int, total: int, op: str = "moe_token_permute_grad") -> OpError:
@@ -174,7 +174,7 @@ def check_restore_shape(op: str, restore_shape: object) -> None:
         raise fail(INVALID, op, "restore_shape", "None or a sequence of ints", repr(restore_shape))
 
 
-def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: bool) -> MoePlan:
+def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: bool) -> MoeShape:
     """The shared part of the unpermute pair: (A, H) rows, (T*K,) indices, probs (T, K) or None (K = 1)."""
     require_dtype(op, "permuted_tokens", permuted_tokens, floats(cann))
     require_dtype(op, "sorted_indices", sorted_indices, (torch.int32,) if cann else INDEX_DTYPES)
@@ -198,11 +198,11 @@ def _unpermute_shapes(op: str, permuted_tokens, sorted_indices, probs, cann: boo
         raise fail(TILING if cann else INVALID, op, "permuted_tokens.shape",
                    f"at most T*K = sorted_indices.numel() = {total} rows (fewer when tokens were dropped)",
                    shape_text(permuted_tokens.shape))
-    return MoePlan(total // k, k, h, rows)
+    return MoeShape(total // k, k, h, rows)
 
 
 def check_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, *, out=None,
-                              cann: bool = False) -> MoePlan:
+                              cann: bool = False) -> MoeShape:
     """aclnnMoeTokenUnpermute: ``out (T, H)`` in permuted_tokens' dtype; K = probs.shape[1], or 1 without probs."""
     op = "moe_token_unpermute"
     outs = {"out": out} if cann else {}
@@ -212,15 +212,15 @@ def check_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padde
     _check_padded_mode(op, padded_mode)
     require_same_device(op, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices,
                         **({} if probs is None else {"probs": probs}), **outs)
-    plan = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
+    shape = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
     if cann:
         require_same_dtype(op, "out", out, "permuted_tokens", permuted_tokens)
-        require_shape(op, "out", out, (plan.tokens, plan.hidden), "(T, H)")
-    return plan
+        require_shape(op, "out", out, (shape.tokens, shape.hidden), "(T, H)")
+    return shape
 
 
 def check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs=None, padded_mode=False,
-                                   *, grad_permuted=None, grad_probs=None, cann: bool = False) -> MoePlan:
+                                   *, grad_permuted=None, grad_probs=None, cann: bool = False) -> MoeShape:
     """aclnnMoeTokenUnpermuteGrad: the gradient ``grad_unpermuted (T, H)`` of the forward's output, any float
     dtype (CANN lists float16 / bfloat16 / float32 for each tensor separately); results in permuted_tokens' and
     probs' dtypes."""
@@ -235,23 +235,23 @@ def check_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indi
     _check_padded_mode(op, padded_mode)
     require_same_device(op, permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,
                         sorted_indices=sorted_indices, **({} if probs is None else {"probs": probs}), **outs)
-    plan = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
+    shape = _unpermute_shapes(op, permuted_tokens, sorted_indices, probs, cann)
     require_dtype(op, "grad_unpermuted", grad_unpermuted, floats(cann))
     require_rank(op, "grad_unpermuted", grad_unpermuted, 2, 2)
     tokens = grad_unpermuted.shape[0]
-    if probs is not None and tokens != plan.tokens and tokens and sorted_indices.shape[0] % tokens == 0:
+    if probs is not None and tokens != shape.tokens and tokens and sorted_indices.shape[0] % tokens == 0:
         # The gradient fixes T, which the forward could not see: a (K, T) probs passed for (T, K) is named here.
         raise fail(INVALID, op, "probs", f"of shape (T, K) = ({tokens}, {sorted_indices.shape[0] // tokens}) "
                    f"(T from grad_unpermuted, K = sorted_indices.numel() / T)", f"shape {shape_text(probs.shape)}")
-    require_shape(op, "grad_unpermuted", grad_unpermuted, (plan.tokens, plan.hidden),
+    require_shape(op, "grad_unpermuted", grad_unpermuted, (shape.tokens, shape.hidden),
                   "(T, H): the forward's output shape")
     if cann:
         require_same_dtype(op, "permutedTokensGradOut", grad_permuted, "permuted_tokens", permuted_tokens)
-        require_shape(op, "permutedTokensGradOut", grad_permuted, (plan.rows, plan.hidden), "(A, H)")
+        require_shape(op, "permutedTokensGradOut", grad_permuted, (shape.rows, shape.hidden), "(A, H)")
         if probs is not None:
             require_same_dtype(op, "probsGradOut", grad_probs, "probs", probs)
-            require_shape(op, "probsGradOut", grad_probs, (plan.tokens, plan.topk), "(T, K)")
-    return plan
+            require_shape(op, "probsGradOut", grad_probs, (shape.tokens, shape.topk), "(T, K)")
+    return shape
 
 
 def permutation_error(sorted_indices: torch.Tensor, op: str) -> OpError | None:

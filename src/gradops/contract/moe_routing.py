@@ -44,7 +44,7 @@ from .moe_permute import INDEX_DTYPES, MAX_TOPK
 MAP_DTYPES = (torch.bool, torch.int8)
 
 
-class RoutePlan(NamedTuple):
+class RouteShape(NamedTuple):
     tokens: int   # T
     experts: int  # E; 0 where nothing given says it (an unpermute in drop mode without probs and map)
     hidden: int   # H
@@ -87,7 +87,7 @@ def _experts_fit(op: str, name: str, experts: int) -> None:
 
 
 def check_moe_token_permute_with_routing_map(tokens, routing_map, probs=None, num_out_tokens=None,
-                                             drop_and_pad=False, *, cann: bool = False) -> RoutePlan:
+                                             drop_and_pad=False, *, cann: bool = False) -> RouteShape:
     """``(permuted_tokens (A, H), permuted_probs (A,), sorted_indices)``: A = K·T, or C·E with drop_and_pad."""
     op = "moe_token_permute_with_routing_map"
     require_present(op, tokens=tokens, routing_map=routing_map)
@@ -111,14 +111,14 @@ def check_moe_token_permute_with_routing_map(tokens, routing_map, probs=None, nu
         if not 1 <= capacity <= t:
             raise fail(INVALID, op, "num_out_tokens", f"C*E with a capacity C = num_out_tokens // E in [1, T = {t}] "
                        f"(E = {experts})", f"{wanted} (capacity {capacity})")
-        return RoutePlan(t, experts, h, capacity * experts, capacity)
+        return RouteShape(t, experts, h, capacity * experts, capacity)
     if not t:
-        return RoutePlan(0, experts, h, 0, 0)
+        return RouteShape(0, experts, h, 0, 0)
     topk = wanted // t
     if not 1 <= topk <= MAX_TOPK:
         raise fail(INVALID, op, "num_out_tokens", f"K*T with K = num_out_tokens // T in [1, {MAX_TOPK}] (T = {t})",
                    f"{wanted} (K = {topk})")
-    return RoutePlan(t, experts, h, topk * t, topk)
+    return RouteShape(t, experts, h, topk * t, topk)
 
 
 def _sorted_indices(op: str, sorted_indices, cann: bool) -> None:
@@ -128,7 +128,7 @@ def _sorted_indices(op: str, sorted_indices, cann: bool) -> None:
 
 def check_moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted_probs_grad, sorted_indices,
                                                   routing_map, num_experts, num_tokens, drop_and_pad=False, *,
-                                                  cann: bool = False) -> RoutePlan:
+                                                  cann: bool = False) -> RouteShape:
     """``(tokens_grad (T, H), probs_grad (T, E) or None)`` from the permuted rows' gradients."""
     op = "moe_token_permute_with_routing_map_grad"
     require_present(op, permuted_tokens_grad=permuted_tokens_grad, sorted_indices=sorted_indices)
@@ -160,8 +160,8 @@ def check_moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted
         if total != rows or total % experts:
             raise fail(INVALID, op, "sorted_indices.shape", f"(A,) = ({rows},), A = C*E rows with E = {experts}",
                        shape_text(sorted_indices.shape))
-        return RoutePlan(tokens, experts, h, rows, total // experts)
-    return RoutePlan(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, INVALID))
+        return RouteShape(tokens, experts, h, rows, total // experts)
+    return RouteShape(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, INVALID))
 
 
 def _slots_per_token(op: str, sorted_indices, tokens: int, status: int) -> int:
@@ -189,7 +189,7 @@ def check_restore_shape(op: str, restore_shape: object, hidden: int) -> int:
 
 
 def _unpermute_plan(op: str, permuted_tokens, sorted_indices, tokens: int, probs, routing_map, drop_and_pad,
-                    cann: bool, shapes: int = INVALID) -> RoutePlan:
+                    cann: bool, shapes: int = INVALID) -> RouteShape:
     """The unpermute pair's shared part; ``shapes``: the status of a sorted_indices shape that does not fit."""
     experts = _map_and_probs(op, routing_map, probs, tokens, cann)
     if probs is not None and routing_map is None and not drop_and_pad:
@@ -202,13 +202,13 @@ def _unpermute_plan(op: str, permuted_tokens, sorted_indices, tokens: int, probs
                        + (f", A = C*E with E = {experts}" if experts else ""), shape_text(sorted_indices.shape))
         if experts:
             _experts_fit(op, "probs.shape[1]" if probs is not None else "routing_map.shape[1]", experts)
-        return RoutePlan(tokens, experts, h, rows, total // experts if experts else 0)
-    return RoutePlan(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, shapes))
+        return RouteShape(tokens, experts, h, rows, total // experts if experts else 0)
+    return RouteShape(tokens, experts, h, rows, _slots_per_token(op, sorted_indices, tokens, shapes))
 
 
 def check_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs=None,
                                                routing_map=None, drop_and_pad=False, *,
-                                               cann: bool = False) -> RoutePlan:
+                                               cann: bool = False) -> RouteShape:
     """``out (T, H)`` = restore_shape, in permuted_tokens' dtype."""
     op = "moe_token_unpermute_with_routing_map"
     require_present(op, permuted_tokens=permuted_tokens, sorted_indices=sorted_indices)
@@ -225,7 +225,7 @@ def check_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, 
 
 def check_moe_token_unpermute_with_routing_map_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs=None,
                                                     routing_map=None, drop_and_pad=False, *,
-                                                    cann: bool = False) -> RoutePlan:
+                                                    cann: bool = False) -> RouteShape:
     """``(grad_permuted (A, H) in permuted_tokens' dtype, grad_probs (T, E) in probs' dtype or None)``."""
     op = "moe_token_unpermute_with_routing_map_grad"
     require_present(op, permuted_tokens=permuted_tokens, grad_unpermuted=grad_unpermuted,

@@ -42,7 +42,7 @@ DTYPE_TABLE: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({
 TORCH_DTYPE_TABLE = DTYPE_TABLE | {(torch.float64, torch.float64)}
 
 
-class RmsNormPlan(NamedTuple):
+class RmsNormShape(NamedTuple):
     """The 2-D view every backend works on: ``rows`` x ``cols`` with ``cols = gamma.numel()``."""
 
     rows: int
@@ -58,9 +58,9 @@ def _check_gamma_dtype(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
                    dtype_name(gamma.dtype))
 
 
-def _plan(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormPlan:
+def _shape(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormShape:
     k = x.dim() - gamma.dim()
-    return RmsNormPlan(numel(x.shape[:k]), numel(gamma.shape), tuple(x.shape[:k]) + (1,) * gamma.dim())
+    return RmsNormShape(numel(x.shape[:k]), numel(gamma.shape), tuple(x.shape[:k]) + (1,) * gamma.dim())
 
 
 def _check_ranks(op: str, x: torch.Tensor, gamma: torch.Tensor, status: int) -> None:
@@ -77,7 +77,7 @@ def _check_gamma_shape(op: str, x: torch.Tensor, gamma: torch.Tensor, status: in
     _check_gamma_trailing(op, x, gamma, status)
 
 
-def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: bool = False) -> RmsNormPlan:
+def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: bool = False) -> RmsNormShape:
     """Validate ``rms_norm(x, gamma, epsilon)``; with ``cann=True`` also the outputs yOut/rstdOut."""
     op = "rms_norm"
     outs = {"yOut": y, "rstdOut": rstd} if cann else {}
@@ -90,12 +90,12 @@ def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: 
         require_same_dtype(op, "yOut", y, "x", x)
         require_dtype(op, "rstdOut", rstd, (torch.float32,))
     _check_gamma_shape(op, x, gamma, INVALID)
-    plan = _plan(x, gamma)
+    shape = _shape(x, gamma)
     if cann:
         require_shape(op, "yOut", y, x.shape)
-        if tuple(rstd.shape) not in (plan.rstd_shape, tuple(x.shape[: x.dim() - gamma.dim()])):
-            raise fail(INVALID, op, "rstdOut.shape", f"{shape_text(plan.rstd_shape)}", shape_text(rstd.shape))
-    return plan
+        if tuple(rstd.shape) not in (shape.rstd_shape, tuple(x.shape[: x.dim() - gamma.dim()])):
+            raise fail(INVALID, op, "rstdOut.shape", f"{shape_text(shape.rstd_shape)}", shape_text(rstd.shape))
+    return shape
 
 
 def _check_rstd_shape(op: str, x: torch.Tensor, rstd: torch.Tensor, k: int, rows: int) -> None:
@@ -111,7 +111,7 @@ def _check_rstd_shape(op: str, x: torch.Tensor, rstd: torch.Tensor, k: int, rows
         raise fail(TILING, op, "rstd.shape", expected, shape_text(rs))
 
 
-def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool = False) -> RmsNormPlan:
+def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool = False) -> RmsNormShape:
     """Validate ``rms_norm_grad(dy, x, rstd, gamma)`` in CANN's order: nulls, dtypes, shapes (561002).
 
     With ``cann=True`` (the aclnn surface) the outputs dxOut/dgammaOut are checked too, and what the seed does
@@ -134,12 +134,12 @@ def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool 
     _check_ranks(op, x, gamma, TILING)
     require_shape(op, "dy", dy, x.shape, "the shape of x", TILING)
     _check_gamma_trailing(op, x, gamma, TILING)
-    plan = _plan(x, gamma)
-    _check_rstd_shape(op, x, rstd, x.dim() - gamma.dim(), plan.rows)
+    shape = _shape(x, gamma)
+    _check_rstd_shape(op, x, rstd, x.dim() - gamma.dim(), shape.rows)
     if cann:
         require_shape(op, "dxOut", dx, dy.shape, "the shape of dy", TILING)
         require_shape(op, "dgammaOut", dgamma, gamma.shape, "the shape of gamma", TILING)
         if dy.numel() == 0:
             raise fail(TILING, op, "dy", "a non-empty tensor (empty tensors are not supported)", shape_text(dy.shape))
         require_contiguous(op, dy=dy, x=x, rstd=rstd, gamma=gamma)
-    return plan
+    return shape

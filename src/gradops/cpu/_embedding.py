@@ -66,7 +66,7 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
     return finish(table, out)
 
 
-def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices: Tensor, num_weights: int,
+def embedding_dense_backward_shaped(shape: tuple[int, int], grad: Tensor, indices: Tensor, num_weights: int,
                                     padding_idx: int, scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
     """The op on its own shapes (see :mod:`gradops.ops._plan`): grad (..., E), indices of the leading dims. int32
     and int64 indices are read as they are (the kernel's sort is the range test, so ``checked``, "tested
@@ -74,7 +74,7 @@ def embedding_dense_backward_shaped(plan: tuple[int, int], grad: Tensor, indices
     (:func:`gradops.contract.embedding.checked_indices`)."""
     if indices.dtype not in _DIRECT_INDICES:
         indices = checked_indices(indices, num_weights)
-    table = _pool.empty((num_weights, plan[1]), grad.dtype)
+    table = _pool.empty((num_weights, shape[1]), grad.dtype)
     _run(grad, indices, num_weights, padding_idx, scale_grad_by_freq, table, None)
     return table
 
@@ -87,7 +87,7 @@ _DIRECT_INDICES = (torch.int64, torch.int32)
 # another dtype than _DIRECT_INDICES: it converts them first).
 
 
-def _program_embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
+def _program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
     """The lookup that nothing records: the native kernel ``embedding`` (the range test, then the rows, a copy of
     storage items: the bits of the Python path's index_select; padding and scaling only shape the backward). None
     for an empty result: the Python path's."""
@@ -99,10 +99,10 @@ def _program_embedding(plan, weight, indices, padding_idx, scale_grad_by_freq):
     return p.returns(out)
 
 
-def _program_embedding_dense_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+def _program_embedding_dense_backward(shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     """The backward: the native kernel ``embedding_dense_backward`` (the sort, also the range test, then every row
     of the table once). None for no index, no column or no row: the Python path's."""
-    n, e = plan
+    n, e = shape
     if not n or not e or not num_weights or indices.dtype not in _DIRECT_INDICES:
         return None
     p = Program()

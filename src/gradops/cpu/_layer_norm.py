@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..contract.layer_norm import LayerNormPlan, statistic_error
+from ..contract.layer_norm import LayerNormShape, statistic_error
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
 from .programs import BUILDERS, Program, arg
@@ -51,14 +51,14 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
     return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
 
 
-def layer_norm_shaped(plan: LayerNormPlan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
+def layer_norm_shaped(shape: LayerNormShape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The op on x of any shape (see :mod:`gradops.ops._plan`): y of x's shape, mean and variance float32 of
     ``x.shape[:-1]``."""
     x = dense(x)
     stat = x.shape[:-1]
     y, mean, var = _pool.empty_like(x), _pool.empty(stat, torch.float32), _pool.empty(stat, torch.float32)
-    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, plan.rows, plan.cols)
+    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, shape.rows, shape.cols)
     return y, mean, var
 
 
@@ -85,13 +85,13 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     return finish(pdx, _outs(out, 0)), finish(res, _outs(out, 1))
 
 
-def layer_norm_grad_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
+def layer_norm_grad_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
                            gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`layer_norm_shaped`): pdx and res_for_gamma of x's shape; the
     variance checked (as the public function promises)."""
     x = dense(x)
     pdx, res = _pool.empty_like(x), _pool.empty_like(x)
-    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, plan.rows, plan.cols, True)
+    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, shape.rows, shape.cols, True)
     return pdx, res
 
 
@@ -117,11 +117,11 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     return finish(pd_gamma, _outs(out, 0)), finish(pd_beta, _outs(out, 1))
 
 
-def layer_norm_grad_beta_shaped(plan: LayerNormPlan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def layer_norm_grad_beta_shaped(shape: LayerNormShape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     """The op on its own shapes: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
-    n = plan.cols
+    n = shape.cols
     pd_gamma, pd_beta = _pool.empty((n,), dy.dtype), _pool.empty((n,), dy.dtype)
-    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, plan.rows, n, None)
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, shape.rows, n, None)
     return pd_gamma, pd_beta
 
 
@@ -155,21 +155,21 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     return finish(dx, _outs(out, 0)), finish(dgamma, _outs(out, 1)), finish(dbeta, _outs(out, 2))
 
 
-def layer_norm_backward_shaped(plan: LayerNormPlan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+def layer_norm_backward_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                                gamma: Tensor, *, check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The op on its own shapes: dx of x's shape, dgamma and dbeta float32 of gamma's; rstd checked unless it comes
     from this package's own forward (``check_statistics=False``: ``(variance + eps)^-0.5`` is never negative)."""
     x = dense(x)
     dx, dgamma, dbeta = (_pool.empty_like(x), _pool.empty(gamma.shape, torch.float32),
                          _pool.empty(gamma.shape, torch.float32))
-    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, plan.rows, plan.cols, None, check_statistics)
+    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, shape.rows, shape.cols, None, check_statistics)
     return dx, dgamma, dbeta
 
 # ---------------------------------------------------------------- the direct calls' programs
 # Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_layer_norm(plan, x, gamma, beta, epsilon):
-    m, n = plan.rows, plan.cols
+def _program_layer_norm(shape, x, gamma, beta, epsilon):
+    m, n = shape.rows, shape.cols
     if not m or not n:
         return None
     p = Program()
@@ -179,8 +179,8 @@ def _program_layer_norm(plan, x, gamma, beta, epsilon):
     return p.returns(y, mean, var)
 
 
-def _program_layer_norm_grad(plan, dy, x, variance, mean, gamma, epsilon):
-    m, n = plan
+def _program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
+    m, n = shape
     if not m or not n or variance.dtype != torch.float32 or mean.dtype != torch.float32:
         return None
     p = Program()
@@ -191,8 +191,8 @@ def _program_layer_norm_grad(plan, dy, x, variance, mean, gamma, epsilon):
     return p.returns(pdx, res)
 
 
-def _program_layer_norm_grad_beta(plan, res_for_gamma, dy):
-    m, n = plan
+def _program_layer_norm_grad_beta(shape, res_for_gamma, dy):
+    m, n = shape
     if not m or not n:
         return None
     p = Program()
@@ -201,8 +201,8 @@ def _program_layer_norm_grad_beta(plan, res_for_gamma, dy):
     return p.returns(pd_gamma, pd_beta)
 
 
-def _program_layer_norm_backward(plan, dy, x, mean, rstd, gamma):
-    m, n = plan
+def _program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
+    m, n = shape
     if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
         return None
     p = Program()

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..contract.moe_permute import (
-    MoePlan,
+    MoeShape,
     expert_id_error,
     negative_id_error,
     permutation_error,
@@ -53,10 +53,10 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
     return finish(permuted, out[0]), finish(inverse, out[1])
 
 
-def moe_token_permute_shaped(plan: MoePlan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+def moe_token_permute_shaped(shape: MoeShape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                              padded_mode: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
-    return moe_token_permute(tokens, indices, plan.rows)
+    return moe_token_permute(tokens, indices, shape.rows)
 
 
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
@@ -85,7 +85,7 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     return finish(buf, out)
 
 
-def moe_token_permute_grad_shaped(plan: MoePlan, grad: Tensor, sorted_indices: Tensor, num_topk: int,
+def moe_token_permute_grad_shaped(shape: MoeShape, grad: Tensor, sorted_indices: Tensor, num_topk: int,
                                   padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones). The
     permutation test runs in the kernel whatever ``checked`` says (it is cheap here)."""
@@ -110,7 +110,7 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     return finish(buf, out)
 
 
-def moe_token_unpermute_shaped(plan: MoePlan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+def moe_token_unpermute_shaped(shape: MoeShape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                                padded_mode: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
     return moe_token_unpermute(permuted_tokens, sorted_indices, probs)
@@ -144,7 +144,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     return finish(dx, out[0]), (finish(dp, out[1]) if probs is not None else dp)
 
 
-def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad_unpermuted: Tensor,
+def moe_token_unpermute_grad_shaped(shape: MoeShape, permuted_tokens: Tensor, grad_unpermuted: Tensor,
                                     sorted_indices: Tensor, probs: Tensor | None, padded_mode: bool = False, *,
                                     trusted: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
@@ -160,16 +160,16 @@ def moe_token_unpermute_grad_shaped(plan: MoePlan, permuted_tokens: Tensor, grad
 # ---------------------------------------------------------------- the direct calls' programs
 # Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_moe_token_permute(plan, tokens, indices, num_out_tokens, padded_mode):
+def _program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mode):
     if not indices.numel() or tokens.dim() != 2:
         return None
     p = Program()
-    out, inverse = p.output((plan.rows, tokens.shape[1]), tokens.dtype), p.output((indices.numel(),), torch.int32)
-    p.kernel("moe_token_permute", [arg(0), arg(1)], [out, inverse], [plan.topk])
+    out, inverse = p.output((shape.rows, tokens.shape[1]), tokens.dtype), p.output((indices.numel(),), torch.int32)
+    p.kernel("moe_token_permute", [arg(0), arg(1)], [out, inverse], [shape.topk])
     return p.returns(out, inverse)
 
 
-def _program_moe_token_permute_grad(plan, grad, sorted_indices, num_topk, padded_mode):
+def _program_moe_token_permute_grad(shape, grad, sorted_indices, num_topk, padded_mode):
     tokens, h = sorted_indices.numel() // num_topk, grad.shape[1]
     if not tokens or not h:
         return None
@@ -179,7 +179,7 @@ def _program_moe_token_permute_grad(plan, grad, sorted_indices, num_topk, padded
     return p.returns(out)
 
 
-def _program_moe_token_unpermute(plan, permuted_tokens, sorted_indices, probs, padded_mode):
+def _program_moe_token_unpermute(shape, permuted_tokens, sorted_indices, probs, padded_mode):
     h = permuted_tokens.shape[1]
     tokens = sorted_indices.numel() // (1 if probs is None else probs.shape[1])
     if not tokens or not h:
@@ -190,7 +190,7 @@ def _program_moe_token_unpermute(plan, permuted_tokens, sorted_indices, probs, p
     return p.returns(out)
 
 
-def _program_moe_token_unpermute_grad(plan, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
+def _program_moe_token_unpermute_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
     tokens = grad_unpermuted.shape[0]
     if not tokens or not permuted_tokens.shape[1]:
         return None

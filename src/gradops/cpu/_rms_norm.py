@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..contract.rms_norm import RmsNormPlan
+from ..contract.rms_norm import RmsNormShape
 from . import _pool
 from ._host import dense, finish, kernel, output, row_blocks
 from .programs import BUILDERS, Program, arg
@@ -32,12 +32,12 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
     return finish(y, out[0] if out else None), finish(rstd, out[1] if out else None)
 
 
-def rms_norm_shaped(plan: RmsNormPlan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    """The op on x of any shape (``plan``: its rows x cols view, see :mod:`gradops.ops._plan`): ``y`` of x's
-    shape, ``rstd`` float32 of ``plan.rstd_shape``."""
+def rms_norm_shaped(shape: RmsNormShape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    """The op on x of any shape (``shape``: its rows x cols view, see :mod:`gradops.ops._plan`): ``y`` of x's
+    shape, ``rstd`` float32 of ``shape.rstd_shape``."""
     x = dense(x)
-    y, rstd = _pool.empty_like(x), _pool.empty(plan.rstd_shape, torch.float32)
-    _rms_norm_run(x, gamma, epsilon, y, rstd, plan.rows, plan.cols)
+    y, rstd = _pool.empty_like(x), _pool.empty(shape.rstd_shape, torch.float32)
+    _rms_norm_run(x, gamma, epsilon, y, rstd, shape.rows, shape.cols)
     return y, rstd
 
 
@@ -84,29 +84,29 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
     return finish(dx, out[0] if out else None), finish(dgamma, out[1] if out else None)
 
 
-def rms_norm_grad_shaped(plan: RmsNormPlan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor
+def rms_norm_grad_shaped(shape: RmsNormShape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor
                          ) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`rms_norm_shaped`): dx of dy's shape, dgamma float32 of gamma's."""
     dy = dense(dy)
     dx, dgamma = _pool.empty_like(dy), _pool.empty(gamma.shape, torch.float32)
-    _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, plan.rows, plan.cols, None)
+    _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, shape.rows, shape.cols, None)
     return dx, dgamma
 
 # ---------------------------------------------------------------- the direct calls' programs
 # Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_rms_norm(plan, x, gamma, epsilon):
-    m, n = plan.rows, plan.cols
+def _program_rms_norm(shape, x, gamma, epsilon):
+    m, n = shape.rows, shape.cols
     if not m or not n:
         return None
     p = Program()
-    y, rstd = p.output(x.shape, x.dtype), p.output(plan.rstd_shape, torch.float32)
+    y, rstd = p.output(x.shape, x.dtype), p.output(shape.rstd_shape, torch.float32)
     p.kernel("rms_norm", [arg(0), arg(1)], [y, rstd], [m, n], [float(epsilon)])
     return p.returns(y, rstd)
 
 
-def _program_rms_norm_grad(plan, dy, x, rstd, gamma):
-    m, n = plan.rows, plan.cols
+def _program_rms_norm_grad(shape, dy, x, rstd, gamma):
+    m, n = shape.rows, shape.cols
     if not m or not n or rstd.dtype != torch.float32:
         return None
     p = Program()

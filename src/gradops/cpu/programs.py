@@ -62,7 +62,7 @@ def arg(i: int) -> tuple[int, int]:
     return INPUT, i
 
 
-#: op -> its builder ``(plan, *args) -> Program | None``; filled by gradops.cpu from the family modules' PROGRAMS.
+#: op -> its builder ``(shape, *args) -> Program | None``; filled by gradops.cpu from the family modules' PROGRAMS.
 BUILDERS: dict[str, Callable[..., Program | None]] = {}
 
 

@@ -206,7 +206,7 @@ def _sample_by_sample(op: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def fake_of(check: Callable[..., object], results: Callable[..., Any]) -> Callable[..., object]:
-    """An op's fake (meta) kernel from its check and its results declaration ``results(plan, *args)`` (see
+    """An op's fake (meta) kernel from its check and its results declaration ``results(shape, *args)`` (see
     :mod:`gradops.ops._out`): the check on the fake arguments, then an empty tensor per declared result (a shape of
     None: laid out like its input)."""
     def fake(*args: object) -> object:
@@ -222,7 +222,7 @@ class DirectOp:
     ``planner``: the op's call plan (a :class:`gradops.ops._plan.Planner`): its validation runs before the custom op
     on the paths that reach it (the op's schema would answer a None or a mistyped scalar with a bare RuntimeError
     before the body could raise OpError), and where its plans carry programs, the extension's direct path runs them
-    (:meth:`direct`). ``results(plan, *args)``: what the op returns (see :mod:`gradops.ops._out`), from which its fake
+    (:meth:`direct`). ``results(shape, *args)``: what the op returns (see :mod:`gradops.ops._out`), from which its fake
     kernel is registered. ``register_autograd`` registers on the custom op and also builds the eager
     ``torch.autograd.Function`` from the same pair of functions, so both paths share one formula.
     """

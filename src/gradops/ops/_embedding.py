@@ -15,7 +15,7 @@ from ._out import Result, check_out, run_into
 from ._plan import Planner
 
 
-def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+def _embedding_dense_backward_2d(fn, shape, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                                  scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
     """The backend on (N, E) grad and flat int64 indices; ``checked``: the indices passed the range test already
     (the forward's, guarded by autograd's saved-tensor version check), so only converted here. A backend that
@@ -25,7 +25,7 @@ def _embedding_dense_backward_2d(fn, plan, grad: Tensor, indices: Tensor, num_we
         idx = flat_indices(indices)
     else:
         idx = checked_indices(indices, num_weights)
-    return own(fn(fit(grad, plan), idx, num_weights, padding_idx, scale_grad_by_freq))
+    return own(fn(fit(grad, shape), idx, num_weights, padding_idx, scale_grad_by_freq))
 
 
 # values=(0,): float64 indices are one of CANN's nine index dtypes, not a reason to compute in float64.
@@ -59,7 +59,7 @@ def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseExcepti
                    f"{str(grad.dtype).removeprefix('torch.')} = {size} ({type(err).__name__}: {err})")
 
 
-def _table_results(plan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+def _table_results(shape, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                    scale_grad_by_freq: bool) -> list[Result]:
     """The op's result, declared once (its fake kernel; ``out=`` below also takes a float32 table beside half grad)."""
     return [((num_weights, grad.shape[-1]), grad.dtype, grad)]
@@ -148,7 +148,7 @@ def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_gra
     return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
 
 
-def _lookup_results(plan, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> list[Result]:
+def _lookup_results(shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> list[Result]:
     return [((*indices.shape, weight.shape[1]), weight.dtype, weight)]
 
 

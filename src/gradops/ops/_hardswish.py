@@ -31,7 +31,7 @@ plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish
                                   native=_backward_entry, program="hardswish_backward")
 
 
-def _results(plan, *args: Tensor) -> list[Result]:
+def _results(shape, *args: Tensor) -> list[Result]:
     """Both ops' result, declared once: self's shape, dtype and strides (the kernels keep the layout)."""
     return [(None, args[-1].dtype, args[-1])]
 

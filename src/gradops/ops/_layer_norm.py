@@ -19,53 +19,54 @@ from ._plan import Planner
 
 # What each op returns and what its backends take (2-D views), declared once: the fake kernels, out= and the
 # adapters follow from these.
-def _results(plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> list[Result]:
+def _results(shape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> list[Result]:
     stat, acc = x.shape[:-1], accumulator(x.dtype)
-    return [(x.shape, x.dtype, x, (plan.rows, plan.cols)), (stat, acc, x, (plan.rows,)), (stat, acc, x, (plan.rows,))]
+    rows, cols = shape
+    return [(x.shape, x.dtype, x, (rows, cols)), (stat, acc, x, (rows,)), (stat, acc, x, (rows,))]
 
 
-def _views(plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple:
-    return fit(x, (plan.rows, plan.cols)), gamma, beta, epsilon
+def _views(shape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple:
+    return fit(x, (shape.rows, shape.cols)), gamma, beta, epsilon
 
 
-def _grad_results(plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
+def _grad_results(shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                   epsilon: float) -> list[Result]:
-    return [(x.shape, x.dtype, x, (plan.rows, plan.cols))] * 2
+    return [(x.shape, x.dtype, x, (shape.rows, shape.cols))] * 2
 
 
-def _grad_views(plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float) -> tuple:
-    rows, cols = plan
+def _grad_views(shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float) -> tuple:
+    rows, cols = shape
     return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma, epsilon
 
 
-def _beta_results(plan, res_for_gamma: Tensor, dy: Tensor) -> list[Result]:
+def _beta_results(shape, res_for_gamma: Tensor, dy: Tensor) -> list[Result]:
     return [(dy.shape[-1:], dy.dtype, dy)] * 2
 
 
-def _beta_views(plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    return fit(res_for_gamma, (plan.rows, plan.cols)), fit(dy, (plan.rows, plan.cols))
+def _beta_views(shape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    return fit(res_for_gamma, (shape.rows, shape.cols)), fit(dy, (shape.rows, shape.cols))
 
 
-def _backward_results(plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
+def _backward_results(shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
     acc = accumulator(x.dtype)
-    return [(x.shape, x.dtype, x, (plan.rows, plan.cols)), (gamma.shape, acc, gamma), (gamma.shape, acc, gamma)]
+    return [(x.shape, x.dtype, x, (shape.rows, shape.cols)), (gamma.shape, acc, gamma), (gamma.shape, acc, gamma)]
 
 
-def _backward_views(plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
-    rows, cols = plan
+def _backward_views(shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+    rows, cols = shape
     return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(mean, (rows,)), fit(rstd, (rows,)), gamma
 
 
-def _layer_norm_2d(fn, plan, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    y, mean, var = fn(*_views(plan, x, gamma, beta, epsilon))
+def _layer_norm_2d(fn, shape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, mean, var = fn(*_views(shape, x, gamma, beta, epsilon))
     stat = x.shape[:-1]
     return own(fit(y, x.shape), fit(mean, stat), fit(var, stat))
 
 
-def _native_entry(choice, plan, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon: float):
+def _native_entry(choice, shape, x: Tensor, gamma: Tensor, beta: Tensor, *epsilon: float):
     """The native LayerNorm node, or None (an empty x; see :mod:`gradops.native`): it runs the extension's
     registered layer_norm kernels (native/layer_norm.cpp)."""
-    if not plan.rows or not plan.cols:
+    if not shape.rows or not shape.cols:
         return None
     return native.node("layer_norm", _differentiable_backward)
 
@@ -83,9 +84,9 @@ def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> 
 _layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body, plan_layer_norm, _results, node=True)
 
 
-def _layer_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
+def _layer_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
                         epsilon: float) -> tuple[Tensor, Tensor]:
-    pdx, res = fn(*_grad_views(plan, dy, x, variance, mean, gamma, epsilon))
+    pdx, res = fn(*_grad_views(shape, dy, x, variance, mean, gamma, epsilon))
     # After the kernels (statistics are values, never addresses): on CUDA the flag is then raised by a later call.
     checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
     return own(fit(pdx, x.shape), fit(res, x.shape))
@@ -105,8 +106,8 @@ _layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body, p
                             _grad_results)
 
 
-def _layer_norm_grad_beta_2d(fn, plan, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    return own(*fn(*_beta_views(plan, res_for_gamma, dy)))
+def _layer_norm_grad_beta_2d(fn, shape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    return own(*fn(*_beta_views(shape, res_for_gamma, dy)))
 
 
 plan_layer_norm_grad_beta = Planner("layer_norm_grad_beta", contract.check_layer_norm_grad_beta, device_arg=1,
@@ -122,9 +123,9 @@ _layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_gr
                                  plan_layer_norm_grad_beta, _beta_results)
 
 
-def _layer_norm_backward_2d(fn, plan, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
+def _layer_norm_backward_2d(fn, shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
                             check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dgamma, dbeta = fn(*_backward_views(plan, dy, x, mean, rstd, gamma))
+    dx, dgamma, dbeta = fn(*_backward_views(shape, dy, x, mean, rstd, gamma))
     if check_statistics:  # after the kernels, as in _layer_norm_grad_2d
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
     return own(fit(dx, x.shape), dgamma, dbeta)

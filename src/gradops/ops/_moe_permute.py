@@ -17,54 +17,54 @@ from ._plan import Planner
 
 # What each op returns and what its backends take, declared once: the fake kernels, out= and the adapters follow
 # from these.
-def _permute_results(plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+def _permute_results(shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                      padded_mode: bool) -> list[Result]:
-    return [((plan.rows, plan.hidden), tokens.dtype, tokens), ((plan.tokens * plan.topk,), torch.int32, indices)]
+    return [((shape.rows, shape.hidden), tokens.dtype, tokens), ((shape.tokens * shape.topk,), torch.int32, indices)]
 
 
-def _permute_views(plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None, padded_mode: bool) -> tuple:
-    return tokens, indices, plan.rows
+def _permute_views(shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None, padded_mode: bool) -> tuple:
+    return tokens, indices, shape.rows
 
 
-def _permute_grad_results(plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+def _permute_grad_results(shape, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                           padded_mode: bool) -> list[Result]:
-    return [((plan.tokens, plan.hidden), permuted_output_grad.dtype, permuted_output_grad)]
+    return [((shape.tokens, shape.hidden), permuted_output_grad.dtype, permuted_output_grad)]
 
 
-def _permute_grad_views(plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+def _permute_grad_views(shape, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                         padded_mode: bool = False) -> tuple:
     return permuted_output_grad, sorted_indices, num_topk
 
 
-def _unpermute_results(plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+def _unpermute_results(shape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                        padded_mode: bool) -> list[Result]:
-    return [((plan.tokens, plan.hidden), permuted_tokens.dtype, permuted_tokens)]
+    return [((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
 
 
-def _unpermute_views(plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+def _unpermute_views(shape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                      padded_mode: bool = False) -> tuple:
     return permuted_tokens, sorted_indices, probs
 
 
-def _unpermute_grad_results(plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+def _unpermute_grad_results(shape, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                             probs: Tensor | None, padded_mode: bool) -> list[Result]:
     """Without probs the probs gradient is an empty (0,) tensor of permuted_tokens' dtype (torch_npu's schema)."""
     d_probs = ((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else \
-        ((plan.tokens, plan.topk), probs.dtype, probs)
-    return [((plan.rows, plan.hidden), permuted_tokens.dtype, permuted_tokens), d_probs]
+        ((shape.tokens, shape.topk), probs.dtype, probs)
+    return [((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens), d_probs]
 
 
-def _unpermute_grad_views(plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+def _unpermute_grad_views(shape, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                           probs: Tensor | None, padded_mode: bool = False) -> tuple:
     return permuted_tokens, grad_unpermuted, sorted_indices, probs
 
 
-def _permute_grad_2d(fn, plan, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
+def _permute_grad_2d(fn, shape, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
                      padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The backend, which tests the indices where it reads them: a permutation of [0, T·K), or with ``checked``
     (the forward's own output, a permutation by construction) only their range, skipping the repeat test that on
     CUDA is a device sort."""
-    return own(fn(*_permute_grad_views(plan, permuted_output_grad, sorted_indices, num_topk), trusted=checked))
+    return own(fn(*_permute_grad_views(shape, permuted_output_grad, sorted_indices, num_topk), trusted=checked))
 
 
 plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
@@ -81,9 +81,9 @@ _moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token
                                    plan_moe_token_permute_grad, _permute_grad_results)
 
 
-def _permute_2d(fn, plan, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
+def _permute_2d(fn, shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
                 padded_mode: bool) -> tuple[Tensor, Tensor]:
-    return own(*fn(*_permute_views(plan, tokens, indices, num_out_tokens, padded_mode)))
+    return own(*fn(*_permute_views(shape, tokens, indices, num_out_tokens, padded_mode)))
 
 
 plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d,
@@ -180,9 +180,9 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
 
 
 # ---------------------------------------------------------------- unpermute
-def _unpermute_2d(fn, plan, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+def _unpermute_2d(fn, shape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                   padded_mode: bool = False) -> Tensor:
-    return own(fn(*_unpermute_views(plan, permuted_tokens, sorted_indices, probs)))  # it checks the permutation
+    return own(fn(*_unpermute_views(shape, permuted_tokens, sorted_indices, probs)))  # it checks the permutation
 
 
 plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d,
@@ -205,11 +205,11 @@ def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Ten
     return plan.run(plan.shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode)
 
 
-def _unpermute_grad_2d(fn, plan, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+def _unpermute_grad_2d(fn, shape, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
                        probs: Tensor | None, padded_mode: bool = False, *, trusted: bool = False
                        ) -> tuple[Tensor, Tensor]:
     """The backend; ``trusted``: sorted_indices is a permutation its forward checked (the backend skips its test)."""
-    return own(*fn(*_unpermute_grad_views(plan, permuted_tokens, grad_unpermuted, sorted_indices, probs),
+    return own(*fn(*_unpermute_grad_views(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs),
                    trusted=trusted))
 
 

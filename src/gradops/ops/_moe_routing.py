@@ -19,7 +19,7 @@ from ._out import Result, into
 from ._plan import Planner
 
 
-def _run(fn, plan, *args):
+def _run(fn, shape, *args):
     """The backend's function on the op's own arguments (it takes them as they are: no 2-D views to make)."""
     return own(*fn(*args))
 
@@ -30,37 +30,37 @@ plan_moe_token_permute_with_routing_map_grad = Planner(
     "moe_token_permute_with_routing_map_grad", contract.check_moe_token_permute_with_routing_map_grad, adapter=_run)
 plan_moe_token_unpermute_with_routing_map = Planner(
     "moe_token_unpermute_with_routing_map", contract.check_moe_token_unpermute_with_routing_map,
-    adapter=lambda fn, plan, *args: own(fn(*args)))
+    adapter=lambda fn, shape, *args: own(fn(*args)))
 plan_moe_token_unpermute_with_routing_map_grad = Planner(
     "moe_token_unpermute_with_routing_map_grad", contract.check_moe_token_unpermute_with_routing_map_grad,
     adapter=_run)
 
 
 # What each op returns, declared once: its fake kernel and its out= are made from these (ops/_out.py).
-def _permute_results(plan, tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> list[Result]:
-    slots = plan.per * (plan.experts if drop_and_pad else plan.tokens)
-    return [((plan.rows, plan.hidden), tokens.dtype, tokens),
-            ((0,), tokens.dtype, tokens) if probs is None else ((plan.rows,), probs.dtype, probs),
+def _permute_results(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> list[Result]:
+    slots = shape.per * (shape.experts if drop_and_pad else shape.tokens)
+    return [((shape.rows, shape.hidden), tokens.dtype, tokens),
+            ((0,), tokens.dtype, tokens) if probs is None else ((shape.rows,), probs.dtype, probs),
             ((slots,), torch.int32, routing_map)]
 
 
-def _permute_grad_results(plan, grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens,
+def _permute_grad_results(shape, grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens,
                           drop_and_pad) -> list[Result]:
-    return [((plan.tokens, plan.hidden), grad.dtype, grad),
-            ((0,), grad.dtype, grad) if grad_probs is None else ((plan.tokens, num_experts), grad_probs.dtype,
+    return [((shape.tokens, shape.hidden), grad.dtype, grad),
+            ((0,), grad.dtype, grad) if grad_probs is None else ((shape.tokens, num_experts), grad_probs.dtype,
                                                                  grad_probs)]
 
 
-def _unpermute_results(plan, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
+def _unpermute_results(shape, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
                        drop_and_pad) -> list[Result]:
-    return [((plan.tokens, plan.hidden), permuted_tokens.dtype, permuted_tokens)]
+    return [((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
 
 
-def _unpermute_grad_results(plan, permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map,
+def _unpermute_grad_results(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map,
                             drop_and_pad) -> list[Result]:
-    return [((plan.rows, plan.hidden), permuted_tokens.dtype, permuted_tokens),
+    return [((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens),
             ((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else
-            ((plan.tokens, plan.experts), probs.dtype, probs)]
+            ((shape.tokens, shape.experts), probs.dtype, probs)]
 
 
 # ---------------------------------------------------------------- permute

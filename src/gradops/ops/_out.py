@@ -197,7 +197,7 @@ def into(op: str, planner: Callable[..., object], results: Callable[..., Sequenc
     """``out=`` from an op's results declaration: the op's plan, the outs checked against the declared results
     (see :func:`check_out`), the plan's backend run into them (:func:`run_into`). ``names``: the op's argument
     names (the messages name an overlapping input); ``differentiable``: the positions of a forward op's inputs
-    that autograd would record (refused under grad mode, see :func:`refuse_autograd`); ``views(plan, *args)``: the
+    that autograd would record (refused under grad mode, see :func:`refuse_autograd`); ``views(shape, *args)``: the
     backend's arguments (the 2-D views the op's adapter passes), the arguments themselves when None; ``via``: the
     op's DirectOp, whose direct program writes contiguous outs in place where the extension is loaded."""
     call = planner(*args)

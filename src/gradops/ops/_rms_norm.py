@@ -18,28 +18,28 @@ from ._plan import Planner
 
 # What each op returns and what its backends take, declared once: the fake kernel, out= and the adapter below
 # follow from these. Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
-def _grad_results(plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
-    rows, cols, _ = plan
+def _grad_results(shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
+    rows, cols, _ = shape
     return [(dy.shape, dy.dtype, dy, (rows, cols)), (gamma.shape, accumulator(dy.dtype), gamma, (cols,))]
 
 
-def _grad_views(plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
-    rows, cols, _ = plan
+def _grad_views(shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
+    rows, cols, _ = shape
     return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,))
 
 
-def _results(plan, x: Tensor, gamma: Tensor, epsilon: float) -> list[Result]:
-    rows, cols, rstd_shape = plan
+def _results(shape, x: Tensor, gamma: Tensor, epsilon: float) -> list[Result]:
+    rows, cols, rstd_shape = shape
     return [(x.shape, x.dtype, x, (rows, cols)), (rstd_shape, accumulator(x.dtype), x, (rows,))]
 
 
-def _views(plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple:
-    rows, cols, _ = plan
+def _views(shape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple:
+    rows, cols, _ = shape
     return fit(x, (rows, cols)), fit(gamma, (cols,)), epsilon
 
 
-def _rms_norm_grad_2d(fn, plan, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
-    dx, dgamma = fn(*_grad_views(plan, dy, x, rstd, gamma))
+def _rms_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+    dx, dgamma = fn(*_grad_views(shape, dy, x, rstd, gamma))
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
@@ -73,9 +73,9 @@ def _rms_norm_grad_backward(ctx, ddx, ddgamma):
 _rms_norm_grad.register_autograd(_rms_norm_grad_backward, setup_context=save_inputs)
 
 
-def _rms_norm_2d(fn, plan, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    y, rstd = fn(*_views(plan, x, gamma, epsilon))
-    return own(fit(y, x.shape), fit(rstd, plan.rstd_shape))
+def _rms_norm_2d(fn, shape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    y, rstd = fn(*_views(shape, x, gamma, epsilon))
+    return own(fit(y, x.shape), fit(rstd, shape.rstd_shape))
 
 
 plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d, program="rms_norm")
