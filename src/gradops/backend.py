@@ -255,6 +255,8 @@ if isinstance(_raw, dict) and hasattr(os.environ, "encodekey"):
     _getenv, _ENV_KEY, _INTERPRET_KEY = _raw.get, os.environ.encodekey(ENV), os.environ.encodekey("TRITON_INTERPRET")
 else:  # pragma: no cover - another Python implementation
     _getenv, _ENV_KEY, _INTERPRET_KEY = os.environ.get, ENV, "TRITON_INTERPRET"
+
+
 def environment_key() -> tuple:
     """What a remembered backend choice depends on besides the device and op: the two variables (raw, ~0.06 µs
     each)."""
