@@ -323,3 +323,16 @@ def test_changed_saved_indices_refused_by_the_triton_backward():
     arr[1] = -5
     with pytest.raises(gradops.OpError, match="got -5 at flat position 1"):
         y.sum().backward()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", [None, LOOPED], ids=["tile", "looped"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=IDS)
+def test_layer_norm_constant_rows_give_beta_exactly(config, dtype):
+    # The mean of x - x[0]: a constant row's mean is x[0] exactly, so y = beta even where eps = 1e-12 makes rstd
+    # ~1e6 (sum(x) / N missed 45 copies of 0.1 by an ulp).
+    n = 45
+    x = torch.tensor([0.1, 1.7, -3.3, 1e4]).to(dtype)[:, None].expand(4, n).contiguous()
+    gamma, beta = _rand(n, dtype=dtype), _rand(n, dtype=dtype)
+    y, mean, var = launch.layer_norm(x, gamma, beta, 1e-12, config=config)
+    assert torch.equal(y, beta.expand(4, n)) and torch.equal(mean, x[:, 0].float()) and not var.any()

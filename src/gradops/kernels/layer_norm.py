@@ -18,7 +18,10 @@ def layer_norm_fwd_kernel(X, G, B, Y, MEAN, VAR, M, N, stride_x, stride_y, eps,
 
     Grid ``cdiv(M, BLOCK_M)``. Single-tile rows: two-pass statistics in registers. LOOPED rows (BLOCK_M = 1):
     per column block a local mean and M2, merged with Chan's parallel update (one pass, no E[x^2] - E[x]^2
-    cancellation), then a second pass for y. Bytes: ``M*N*(s_x + s_y) + N*(s_g + s_b) + 8*M``.
+    cancellation), then a second pass for y. A tile's mean is summed in float64: exact for a constant row, whose
+    mean is then its value and y = b for any eps, as in the C++ kernels and the reference (a float32 sum missed 45
+    copies of 0.1 by an ulp, which rstd ~ 1e6 at eps = 1e-12 turned into |y - b| ~ 1). Bytes:
+    ``M*N*(s_x + s_y) + N*(s_g + s_b) + 8*M``.
     """
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -28,7 +31,7 @@ def layer_norm_fwd_kernel(X, G, B, Y, MEAN, VAR, M, N, stride_x, stride_y, eps,
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
+        mean = (tl.sum(x.to(tl.float64), axis=1) / N).to(tl.float32)
         xmu = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xmu * xmu, axis=1) / N
         rstd = 1.0 / tl.sqrt_rn(var + eps)
@@ -44,7 +47,7 @@ def layer_norm_fwd_kernel(X, G, B, Y, MEAN, VAR, M, N, stride_x, stride_y, eps,
             mask = rmask[:, None] & (c < N)[None, :]
             x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
             nb = tl.minimum(N - c0, BLOCK_N).to(tl.float32)
-            bmean = tl.sum(x, axis=1) / nb
+            bmean = (tl.sum(x.to(tl.float64), axis=1) / nb).to(tl.float32)
             bd = tl.where(mask, x - bmean[:, None], 0.0)
             na = c0 * 1.0  # elements merged so far (float: c0 is a Python int in the interpreter)
             delta = bmean - mean

@@ -3,7 +3,8 @@
 //
 // Formulas (see gradops.reference._layer_norm and docs/semantics.md), all in float32 with float32 accumulation
 // whatever the storage dtype, x - mean written xmu, dy·gamma written pd_xl:
-//  - forward: mean = sum(x)/N, var = sum(xmu^2)/N (biased, two passes), y = xmu·rsqrt(var + eps)·gamma + beta;
+//  - forward: mean = sum(x)/N (summed in float64), var = sum(xmu^2)/N (biased, two passes),
+//    y = xmu·rsqrt(var + eps)·gamma + beta;
 //  - LayerNormGrad (AscendC, term by term, its sum(xmu) term included): rstd = (var + eps)^-0.5,
 //    pd_var = sum(-0.5·pd_xl·xmu)·rstd^3, pd_mean = sum(-pd_xl)·rstd + pd_var·sum(-2·xmu)/N,
 //    pd_x = pd_xl·rstd + pd_var·2/N·xmu + pd_mean/N, res_for_gamma = xmu·rstd;
@@ -12,7 +13,8 @@
 //    c = -sum(pd_xl)·rstd/N, dx = pd_xl·rstd + a·xmu + c, dgamma = sum_rows(dy·xmu·rstd), dbeta = sum_rows(dy).
 //
 // Row sums accumulate in kLanes float32 lanes (element j into lane j % kLanes, lanes added in a fixed pairwise
-// order): the loops vectorize without reassociation, so the bits depend on N only. Column sums over rows use
+// order, each 256 elements' lanes added into a float64 total: Lanes): the loops vectorize without reassociation,
+// so the bits depend on N only. Column sums over rows use
 // row_blocks(M, N) fixed blocks of ceil(M / blocks) rows, each with its own float32 partial row, folded in block
 // order (fold_rows): the bits depend on the shape only, never on the thread count. Elementwise results are the
 // same expression in a vector body and its scalar tail, so they depend on nothing but their operands.
@@ -127,21 +129,61 @@ inline F8 fma8(F8 a, F8 b, F8 c) {
 #endif
 }
 
-// A row sum's 16 lanes, element j of the row in lane j % 16, and their sum in a fixed pairwise order.
+// A row sum: element j of the row in float32 lane j % 16 for kFlush steps (kFlush * 16 = 256 elements), then the
+// 16 lanes added in a fixed pairwise order into a float64 total, the lanes cleared, and on. In-order float32 lanes
+// lose accuracy with the row's length (16 lanes at N = 2^20: a relative error of ~5e-6 in rms_norm's rstd, ~5e-7 in
+// layer_norm's mean, where ATen's cascade sum keeps ~3e-8); blocks of 256 added in float64 keep the error of one
+// 256-element float32 sum at every length, for one float64 add per 256 elements. A row of at most 256 elements
+// sums to the bits the lanes alone gave (its total is one float32 sum, exact in float64).
+constexpr int kFlush = 16;
+
 struct Lanes {
   F8 lo = {}, hi = {};
+  double total = 0.0;
+  int steps = 0;
 
   void add(F8 a, F8 b) {
     lo += a;
     hi += b;
+    if (++steps == kFlush) {
+      total += static_cast<double>(fold());
+      lo = F8{};
+      hi = F8{};
+      steps = 0;
+    }
   }
-  float sum() const {
+  // The lanes' sum in a fixed pairwise order.
+  float fold() const {
     const F8 v = lo + hi;
     F4 a, b;
     std::memcpy(&a, &v, sizeof a);
     std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof a, sizeof b);
     const F4 c = a + b;  // lanes k, k + 4, k + 8, k + 12
     return (c[0] + c[2]) + (c[1] + c[3]);
+  }
+  double exact() const { return total + static_cast<double>(fold()); }
+  float sum() const { return static_cast<float>(exact()); }
+};
+
+// A row sum in float64 lanes: 16 float32 elements widened (exactly) into four 4-double vectors a step. Exact for
+// any N copies of one float32 value (24 significant bits times N < 2^29 fit 53), within N·2^-53 otherwise.
+typedef double D4 __attribute__((vector_size(32)));
+
+struct Wide {
+  D4 a = {}, b = {}, c = {}, d = {};
+
+  void add(F8 lo, F8 hi) {
+    F4 h[4];
+    std::memcpy(h, &lo, sizeof lo);
+    std::memcpy(h + 2, &hi, sizeof hi);
+    a += __builtin_convertvector(h[0], D4);
+    b += __builtin_convertvector(h[1], D4);
+    c += __builtin_convertvector(h[2], D4);
+    d += __builtin_convertvector(h[3], D4);
+  }
+  double sum() const {
+    const D4 v = (a + b) + (c + d);
+    return (v[0] + v[2]) + (v[1] + v[3]);
   }
 };
 
@@ -249,15 +291,20 @@ struct Partials {
 template <class T>
 std::pair<float, float> forward_row(const T* __restrict__ x, const float* __restrict__ gamma,
                                     const float* __restrict__ beta, float eps, int64_t n, T* __restrict__ y) {
+  // The mean's sum in float64 lanes (Wide): exact for a constant row (N copies of a float32 value), so its mean is
+  // that value and xmu = 0, y = beta for any eps (a float32 sum(x) * (1/N) missed N copies of 0.1 by an ulp, which
+  // rstd ~ 1e6 at eps = 1e-12 turned into |y - beta| of 1e-2..1e+1), and the mean is the row's mean correctly
+  // rounded but for N·2^-53. (A corrected two-pass mean, m1 + sum(x - m1)/N, is exact on constant rows too but
+  // adds the float32 roundings of x - m1: 2.5e-7 relative on the check's 64 x 520 rows, where ATen has 1.3e-7.)
   const int64_t full = n - n % kLanes;
-  Lanes sum;
+  Wide sum;
   for (int64_t j = 0; j < full; j += kLanes) sum.add(load8(x + j), load8(x + j + 8));
   if (full < n) {
     F8 x0, x1;
     Tail::load(x + full, n - full, x0, x1);
     sum.add(x0, x1);  // the padding adds zeros
   }
-  const float mu = sum.sum() * (1.0f / static_cast<float>(n));
+  const float mu = static_cast<float>(sum.sum() / static_cast<double>(n));
   double q = 0.0;
   // Two blocks at a time (the same partials, added to q in block order): four independent chains where one block
   // has two, and half the loop overhead per block (fp32, one thread: 1.09 -> 0.98x numba's time at 4096 x 1024,

@@ -603,21 +603,25 @@ inline void scatter_dot_tile(const UG* __restrict__ g, const UX* __restrict__ x,
   }
 }
 
-// dx[j] = g[j] · w (float32 product, rounded once to dx's dtype); returns sum_j g[j] · x[j] in the lane order of
-// kLanes. One pass over g, x and dx, tile by tile.
+// dx[j] = g[j] · w (float32 product, rounded once to dx's dtype); returns sum_j g[j] · x[j]: each tile's products in
+// the lane order of kLanes, folded, and the tiles' sums added in float64 (in-order float32 lanes lose accuracy with
+// H; a tile's float32 sum keeps the error of a kTile-element sum at every H, and H <= kTile gives the lanes' bits).
+// One pass over g, x and dx, tile by tile.
 template <class TX, class TG>
 float scatter_and_dot(const TG* g, const TX* x, TX* dx, float w, int64_t h) {
-  float lanes[kLanes] = {};
   float gbuf[kIsHalf<TG> ? kTile : 1], xbuf[kIsHalf<TX> ? kTile : 1], dbuf[kIsHalf<TX> ? kTile : 1];
+  double total = 0.0;
   for (int64_t j0 = 0; j0 < h; j0 += kTile) {
     const int64_t n = std::min(kTile, h - j0);
+    float lanes[kLanes] = {};
     scatter_dot_tile(tile_in(g + j0, n, gbuf), tile_in(x + j0, n, xbuf), tile_out(dx + j0, dbuf), w, n, lanes);
     tile_out_done(dx + j0, n, dbuf);
+    for (int64_t step = kLanes / 2; step > 0; step /= 2) {
+      for (int64_t q = 0; q < step; ++q) lanes[q] += lanes[q + step];
+    }
+    total += static_cast<double>(lanes[0]);
   }
-  for (int64_t step = kLanes / 2; step > 0; step /= 2) {
-    for (int64_t q = 0; q < step; ++q) lanes[q] += lanes[q + step];
-  }
-  return lanes[0];
+  return static_cast<float>(total);
 }
 
 // dx[j] = g[j] converted to dx's dtype through float32 (grad_unpermuted's row scattered without probs).
@@ -636,7 +640,7 @@ void convert_row(const TG* g, TX* dx, int64_t h) {
 
 // moe_token_unpermute_grad: for each copy k of token t whose row r = sorted_indices[t·K + k] is present (< A):
 //     grad_permuted[r] = grad_unpermuted[t] · probs[t, k]     (float32 product; grad_unpermuted[t] without probs)
-//     grad_probs[t, k] = dot(grad_unpermuted[t], permuted[r]) (float32, the kLanes order; 0 for a dropped row)
+//     grad_probs[t, k] = dot(grad_unpermuted[t], permuted[r]) (float32 per tile, tiles in float64; 0 if dropped)
 //  in:  permuted (A, H) float, A <= T·K; grad_unpermuted (T, H) float (any of the three dtypes);
 //       sorted_indices (T·K,) int32 / int64; probs (T, K) float or absent (K = 1).
 //  out: grad_permuted (A, H) in permuted's dtype; grad_probs (T, K) in probs' dtype, or an empty tensor without

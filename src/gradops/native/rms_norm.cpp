@@ -125,22 +125,45 @@ void dispatch_storage(at::ScalarType type, const char* what, const F& f) {
   }
 }
 
+// A row sum in blocks of kBlock columns: each block's terms in the 16 float32 lanes, the blocks' lane sums added in
+// float64. In-order float32 lanes lose accuracy with the row's length (N = 2^20: rstd's relative error ~5e-6, where
+// ATen's cascade sum keeps ~3e-8); the blocks keep the error of one 256-element float32 sum at every length, for
+// one float64 add per 256 columns. A row of at most kBlock columns gives the bits of the lanes alone.
+// body(j, a0, a1) adds the terms of columns [j, j + 16) to the lanes; tail(i) is the term of column i.
+constexpr int64_t kBlock = 256;
+
+template <class Body, class Term>
+GRADOPS_RMS_INLINE float blocked_sum(int64_t n, const Body& body, const Term& tail) {
+  double total = 0.0;
+  int64_t j = 0;
+  F8 a0 = {}, a1 = {};
+  for (;;) {
+    const int64_t end = std::min(n - n % kLanes, j + kBlock);
+    for (; j < end; j += kLanes) body(j, a0, a1);
+    if (j + kLanes > n) break;  // the whole groups are done: the tail joins the last block's lanes
+    total += static_cast<double>(lane_sum(a0, a1));
+    a0 = F8{};
+    a1 = F8{};
+  }
+  add_tail(a0, a1, j, n, tail);
+  return static_cast<float>(total + static_cast<double>(lane_sum(a0, a1)));
+}
+
 // ---------------------------------------------------------------- forward
 // sum_j x[j]^2 of one row.
 template <class T>
 GRADOPS_RMS_INLINE float sum_of_squares(const T* x, int64_t n) {
-  F8 a0 = {}, a1 = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const F8 v0 = load8(x + j), v1 = load8(x + j + 8);
-    a0 += v0 * v0;
-    a1 += v1 * v1;
-  }
-  add_tail(a0, a1, j, n, [&](int64_t i) {
-    const float v = to_f32(x[i]);
-    return v * v;
-  });
-  return lane_sum(a0, a1);
+  return blocked_sum(
+      n,
+      [&](int64_t j, F8& a0, F8& a1) {
+        const F8 v0 = load8(x + j), v1 = load8(x + j + 8);
+        a0 += v0 * v0;
+        a1 += v1 * v1;
+      },
+      [&](int64_t i) {
+        const float v = to_f32(x[i]);
+        return v * v;
+      });
 }
 
 // The same for two rows in one pass (each row with its own lanes, as above).
@@ -184,6 +207,7 @@ GRADOPS_RMS_INLINE void scale_row(const T* x, const G* g, float s, T* y, int64_t
 // and 2048 x 2048 float16 from memory: 1.2 -> 1.7 ms). float32 rows, bound by memory, ran 5% slower paired at
 // 64 x 128 and no faster at 512 x 256: one at a time. Either way a row's bits are the same.
 constexpr int64_t kPairItems = 256;
+static_assert(kPairItems <= kBlock, "paired rows are one block: sums_of_squares keeps no float64 total");
 
 template <class T, class G>
 void rms_norm_rows(const T* x, const G* g, float eps, T* y, float* rstd, int64_t n, int64_t lo, int64_t hi) {
@@ -247,14 +271,14 @@ int64_t rms_norm_kernel(const KernelArgs& a) {
 // c[r] of one row (see the top of the file).
 template <class T, class G>
 GRADOPS_RMS_INLINE float row_coef(const T* dy, const T* x, const G* g, float s, float inv_n, int64_t n) {
-  F8 a0 = {}, a1 = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    a0 += load8(dy + j) * load8(g + j) * load8(x + j);
-    a1 += load8(dy + j + 8) * load8(g + j + 8) * load8(x + j + 8);
-  }
-  add_tail(a0, a1, j, n, [&](int64_t i) { return to_f32(dy[i]) * to_f32(g[i]) * to_f32(x[i]); });
-  return lane_sum(a0, a1) * s * inv_n;
+  const float sum = blocked_sum(
+      n,
+      [&](int64_t j, F8& a0, F8& a1) {
+        a0 += load8(dy + j) * load8(g + j) * load8(x + j);
+        a1 += load8(dy + j + 8) * load8(g + j + 8) * load8(x + j + 8);
+      },
+      [&](int64_t i) { return to_f32(dy[i]) * to_f32(g[i]) * to_f32(x[i]); });
+  return sum * s * inv_n;
 }
 
 // Row block b of ``blocks`` (ceil(m / blocks) rows each; the last blocks may have fewer or none): dx of its rows and

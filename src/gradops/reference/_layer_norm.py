@@ -20,7 +20,11 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float,
     Returns y (x's dtype) and mean, variance of shape (rows,) in float32."""
     xf = x.to(compute)
     if x.shape[-1]:
-        mean = xf.mean(dim=-1)
+        # The mean summed in float64 (as the C++ kernels): exact for a constant row, whose mean is then its value and
+        # y = beta for any eps (xf.mean() of N copies of 0.1 misses by an ulp, which rstd ~ 1e6 at eps = 1e-12 turns
+        # into |y - beta| ~ 1).
+        wide = torch.promote_types(compute, torch.float64)
+        mean = (x.to(wide).sum(dim=-1) / x.shape[-1]).to(compute)
         var = (xf - mean[:, None]).square().mean(dim=-1)
     else:
         mean = var = xf.new_zeros(x.shape[:-1])
