@@ -15,10 +15,11 @@ from gradops import aclnn, backend
 from gradops.aclnn import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_FIND_KERNEL_ERROR,
+    ACLNN_ERR_PARAM_INVALID,
     ACLNN_ERR_RUNTIME_ERROR,
     ACLNN_SUCCESS,
 )
-from test_aclnn import INVALID, NULL, PHASES, emb_args, hsw_args, moe_grad_args, rms_grad_args
+from test_aclnn import INVALID, NULL, PHASES, emb_args, hsw_args, moe_grad_args, rms_grad_args, with_
 
 
 # ---------------------------------------------------------------------- executor, workspace and stream protocol
@@ -196,3 +197,39 @@ def test_work_is_enqueued_on_the_given_stream(fake):
     cpu_args = hsw_args()
     _, size, executor = aclnn.aclnnHardswishBackwardGetWorkspaceSize(*cpu_args)
     assert aclnn.aclnnHardswishBackward(torch.empty(size, dtype=torch.uint8), size, executor, stream) == INVALID
+
+
+# ------------------------------------------------------------------ a workspace over the call's own tensors
+def _inside(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``like``'s values laid at the start of ``buffer``'s bytes."""
+    t = buffer[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+    t.copy_(like)
+    return t
+
+
+@pytest.mark.parametrize("op, make, pos", [
+    ("rms_norm_grad", rms_grad_args, 0), ("rms_norm_grad", rms_grad_args, 1), ("rms_norm_grad", rms_grad_args, 4),
+    ("rms_norm_grad", rms_grad_args, 5), ("embedding_dense_backward", emb_args, 0),
+    ("embedding_dense_backward", emb_args, 1), ("embedding_dense_backward", emb_args, 5),
+], ids=["rms-dy", "rms-x", "rms-dx", "rms-dgamma", "emb-grad", "emb-indices", "emb-out"])
+def test_a_workspace_over_an_input_or_output_is_refused(backend, op, make, pos):
+    # The CPU kernels need scratch for these two (dgamma partials, the embedding's row lists). A workspace sharing
+    # bytes with an argument made the embedding kernel segfault (out as workspace) and overwrote the caller's input
+    # (grad, dy, x) with a 0 status and a wrong result; 161002 before anything runs, as for any bad workspace.
+    args = make()
+    first, second = PHASES[op]
+    status, size, executor = first(*args)
+    if size == 0:
+        pytest.skip(f"{executor.backend} needs no workspace for {op}")
+    buffer = torch.zeros(size + args[pos].numel() * args[pos].element_size(), dtype=torch.uint8)
+    args = with_(args, pos, _inside(buffer, args[pos]))
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    status, size, executor = first(*args)
+    assert status == ACLNN_SUCCESS
+    assert second(buffer, buffer.numel(), executor, None) == ACLNN_ERR_PARAM_INVALID
+    assert "workspace overlaps" in aclnn.aclGetRecentErrMsg()
+    for t, b in zip(tensors, before):  # compared as bytes: an unwritten out may hold NaN bits
+        assert torch.equal(t.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), "written before refusal"
+    # The executor stays usable: a workspace of its own runs it.
+    assert second(torch.empty(size, dtype=torch.uint8), size, executor, None) == ACLNN_SUCCESS

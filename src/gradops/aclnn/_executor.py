@@ -14,8 +14,9 @@ Status choices where CANN leaves the behaviour undefined (a C caller gets memory
 - executor ``None``: 161001; an executor already run (not repeatable), destroyed, or made by another op: 161002.
 - ``stream`` not ``None`` and not a ``torch.cuda.Stream`` on the tensors' device: 161002.
 - workspace needed (size > 0) but ``workspace`` is ``None``: 161001. ``workspaceSize`` smaller than phase 1
-  reported, a workspace tensor with fewer bytes than ``workspaceSize``, non-contiguous or on another device:
-  161002 (ACLNN_ERR_PARAM_INVALID: a parameter check, nothing has run yet, so the executor stays usable).
+  reported, a workspace tensor with fewer bytes than ``workspaceSize``, non-contiguous or on another device, or
+  one whose bytes overlap an input or output of the call: 161002 (ACLNN_ERR_PARAM_INVALID: a parameter check,
+  nothing has run yet, so the executor stays usable).
 - a data-dependent refusal while running (e.g. an index out of range): the OpError's status (161002); any other
   failure of the implementation: 361001 (ACLNN_ERR_RUNTIME_ERROR). A run that started consumes the executor.
 - a tensor phase 1 checked that changed before phase 2 (``resize_``, ``set_``, ``as_strided_``, a storage resized
@@ -270,6 +271,36 @@ def _workspace_bytes(op: str, workspace, workspace_size, executor: aclOpExecutor
     return ACLNN_SUCCESS, raw[:need]
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[first, past)`` a tensor's elements span (None when it has none)."""
+    if t.numel() == 0:
+        return None
+    first = past = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        step = (size - 1) * stride * t.element_size()
+        if step < 0:
+            first += step
+        else:
+            past += step
+    return first, past + t.element_size()
+
+
+def _shares_memory(workspace: torch.Tensor | None, executor: aclOpExecutor) -> str | None:
+    """The bound tensor whose bytes the workspace slice overlaps, described; None when none does. The kernels
+    write scratch data into the workspace while they read the inputs and write the outputs: a workspace over an
+    input overwrote the caller's data (and returned 0), one over the output made the embedding kernel read its
+    own scratch as indices (a segfault)."""
+    span = None if workspace is None else _extent(workspace)
+    if span is None:
+        return None
+    for name, (t, _) in executor._bound.items():
+        other = _extent(t) if t.device == workspace.device else None
+        if other is not None and other[0] < span[1] and span[0] < other[1]:
+            return (f"{name} (bytes [{other[0]:#x}, {other[1]:#x}) against the workspace's [{span[0]:#x}, "
+                    f"{span[1]:#x}))")
+    return None
+
+
 def _stream_context(op: str, stream, executor: aclOpExecutor) -> tuple[int, contextlib.AbstractContextManager]:
     if stream is None:
         return ACLNN_SUCCESS, contextlib.nullcontext()
@@ -297,6 +328,10 @@ def execute(op: str, workspace, workspace_size, executor: aclOpExecutor | None, 
     changed = _changed(executor)
     if changed:
         return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {changed}")
+    shared = _shares_memory(ws, executor)
+    if shared:
+        return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: workspace overlaps {shared}; the workspace must be memory "
+                       "of its own (a buffer of workspaceSize bytes that no input or output uses)")
     executor.spent = not executor.repeatable
     try:
         with ctx, torch.no_grad():  # writing into out tensors that require grad is the caller's business

@@ -131,7 +131,8 @@ def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) ->
     rstd (``(variance + eps)^-0.5`` never is). The statistics are float32 tensors of one shape, so a swapped pair
     - :func:`gradops.layer_norm` returns ``(mean, variance)``, LayerNormGrad takes ``(variance, mean)`` - passes
     every metadata check; its values give it away as soon as one mean is below ``-epsilon``. NaN passes (computed
-    with, as CANN does). Passing the statistics by keyword (``variance=..., mean=...``) avoids the swap.
+    with, as CANN does), and a refused value is refused whatever else the tensor holds, NaN included. Passing the
+    statistics by keyword (``variance=..., mean=...``) avoids the swap.
 
     Cost: one reduction and, on the CPU, one read of its result (~3 µs at small sizes). On CUDA the answer is
     checked without a host synchronisation when the Triton launchers are present
@@ -151,7 +152,9 @@ def checked_statistic(op: str, name: str, values: torch.Tensor, floor: float) ->
         if guard is not None:
             guard((values.float() + floor < 0).any(), error)  # float(): a no-op on the float32 statistics
             return
-    if float(values.min()) + floor < 0:
+    # Any entry, in float64 as the C++ kernels test it: min() is NaN when one entry is, and a refused value beside
+    # a NaN passed here while the kernels refused it.
+    if bool((values.double() + floor < 0).any()):
         raise error()
 
 

@@ -239,13 +239,12 @@ def _unpermute_backward(ctx, grad):
         # never read): an uninitialised stand-in, untouched, costs an allocation and no traffic.
         shape, dtype, device = ctx.permuted
         permuted_tokens = torch.empty(shape, dtype=dtype, device=device)
-    if eager_path(permuted_tokens, grad, sorted_indices, probs) == BODY:
-        # sorted_indices passed the forward's permutation test, and autograd's saved-tensor version check refuses
-        # it if it changed since: no second test (a host pass on CPU, a sort on CUDA).
-        plan = plan_moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
-        d_permuted, d_probs = plan.run(plan.shape, permuted_tokens, grad, sorted_indices, probs, trusted=True)
-    else:
-        d_permuted, d_probs = _moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
+    # Tested again (a permutation of [0, T·K)), as every node that addresses memory with a saved index: autograd's
+    # version counter misses a change through a numpy view or ``.data``, and a repeated entry would leave a row of
+    # grad_permuted unwritten (uninitialised memory, 2.5e33 and pointer bits, when this node trusted the forward's
+    # test). The test is a bitmap pass over T·K entries on the CPU, a device sort without a host synchronisation on
+    # CUDA.
+    d_permuted, d_probs = _moe_token_unpermute_grad(permuted_tokens, grad, sorted_indices, probs, False)
     return d_permuted, None, d_probs if probs is not None else None, None
 
 

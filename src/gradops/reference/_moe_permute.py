@@ -73,7 +73,7 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     rows, hidden = permuted_tokens.shape
     k = 1 if probs is None else probs.shape[1]
     padded = torch.cat([permuted_tokens.to(compute), permuted_tokens.new_zeros(1, hidden, dtype=compute)])
-    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(-1, k, hidden)
+    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(sorted_indices.numel() // k, k, hidden)
     if probs is not None:
         picked = picked * probs.to(compute)[:, :, None]
     out = picked[:, 0]
@@ -110,7 +110,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     if probs is None:
         return grad_permuted.to(permuted_tokens.dtype), permuted_tokens.new_empty(0)
     padded = torch.cat([permuted_tokens.to(compute), permuted_tokens.new_zeros(1, hidden, dtype=compute)])
-    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(-1, k, hidden)
+    picked = padded.index_select(0, _kept_rows(sorted_indices, rows)).view(sorted_indices.numel() // k, k, hidden)
     grad_probs = (picked * g[:, None, :]).sum(dim=-1)
     return grad_permuted.to(permuted_tokens.dtype), grad_probs.to(probs.dtype)
 

@@ -1,0 +1,58 @@
+"""Inputs that crashed, read uninitialised memory or answered differently on one path than another: each case runs
+on the reference and the C++ kernels (the ``backend`` fixture) and in float64, and must give the same answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradops
+from gradops import OpError
+
+FLOAT64 = [torch.float32, torch.float64]
+
+
+# ---------------------------------------------------------------- one refusal rule for the LayerNorm statistics
+@pytest.mark.parametrize("dtype", FLOAT64)
+@pytest.mark.parametrize("order", ["nan-first", "nan-last"])
+def test_a_refused_statistic_beside_a_nan_is_refused_on_every_path(backend, dtype, order):
+    # min() of a tensor holding a NaN is NaN, which compared as no refusal: the reference and float64 paths took a
+    # variance of -1 that the C++ kernels refused.
+    bad = [float("nan"), -1.0] if order == "nan-first" else [-1.0, float("nan")]
+    x = torch.randn(2, 4, dtype=dtype)
+    with pytest.raises(OpError, match="variance must be") as err:
+        gradops.layer_norm_grad(x, x, torch.tensor(bad), torch.zeros(2), torch.ones(4, dtype=dtype))
+    assert err.value.status == 161002
+    with pytest.raises(OpError, match="rstd must be") as err:
+        gradops.layer_norm_backward(x, x, torch.zeros(2), torch.tensor(bad), torch.ones(4, dtype=dtype))
+    assert err.value.status == 161002
+
+
+# ---------------------------------------------------------------- MoE rows of no columns
+@pytest.mark.parametrize("dtype", FLOAT64)
+def test_moe_unpermute_of_rows_without_columns_is_empty_on_every_path(backend, dtype):
+    order = torch.randperm(4).to(torch.int32)
+    permuted, probs = torch.empty(4, 0, dtype=dtype), torch.rand(2, 2, dtype=dtype)
+    out = gradops.moe_token_unpermute(permuted, order, probs)
+    assert out.shape == (2, 0) and out.dtype == dtype
+    d_permuted, d_probs = gradops.moe_token_unpermute_grad(permuted, torch.empty(2, 0, dtype=dtype), order, probs)
+    assert d_permuted.shape == (4, 0) and torch.equal(d_probs, torch.zeros(2, 2, dtype=dtype))
+    assert gradops.moe_token_unpermute(permuted[:2], order[:2].argsort().int(), None).shape == (2, 0)
+
+
+# ---------------------------------------------------------------- saved indices changed behind autograd's back
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
+@pytest.mark.parametrize("dtype", FLOAT64)
+def test_unpermute_backward_retests_its_saved_indices(backend, with_probs, dtype):
+    # The node trusted the forward's permutation test; a numpy view (or .data) bypasses autograd's version counter,
+    # and a repeated entry left gradient rows unwritten: uninitialised memory (2.5e33, pointer bits) in p.grad.
+    t, k, h = 4, 2 if with_probs else 1, 3
+    permuted = torch.randn(t * k, h, dtype=dtype, requires_grad=True)
+    order = torch.randperm(t * k).to(torch.int32)
+    probs = torch.rand(t, k, dtype=dtype, requires_grad=True) if with_probs else None
+    out = gradops.moe_token_unpermute(permuted, order, probs)
+    order.numpy()[:] = 0
+    with pytest.raises(OpError, match="sorted_indices must be a permutation") as err:
+        out.sum().backward()
+    assert err.value.status == 161002
+    assert permuted.grad is None
