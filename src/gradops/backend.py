@@ -77,6 +77,8 @@ def _warn_slow_cpu_path(device: torch.device) -> None:
     if ok and _module("cpu") is not None:  # the module loaded: the op is one the CPU backend leaves to torch
         return
     _slow_path_warned = True
+    if native.failure_said():  # the import said why and how to fix it, in one line: not a second time
+        return
     cause = why or _import_errors.get("cpu", f"importing {MODULES['cpu']} failed")
     fix = "" if FIX in cause else f" (to fix: {FIX})"
     warnings.warn(f"gradops: the CPU kernels cannot run: {cause}{fix}. CPU tensors use the pure-torch "

@@ -17,10 +17,13 @@ either way). :func:`status` says which path runs and why.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import shutil
 import signal
+import struct
 import sys
 import sysconfig
 import threading
@@ -118,57 +121,188 @@ def set_enabled(flag: bool) -> None:
     reset()
 
 
-#: A build holding torch's build lock longer than this is taken for dead (the build takes ~2 min on 2 cores): a
-#: process killed while building (a timeout's SIGTERM runs no cleanup) leaves the lock file behind, and torch's
-#: builder would wait for it forever.
+#: Held (``flock``) by the process that builds into a folder, for the whole build: the kernel releases it when
+#: that process ends, however it ends (SIGKILL, the OOM killer, a CI timeout), so a later import waits exactly as
+#: long as a live build runs. torch's builder keeps a lock file of its own, ``lock``, that a killed build leaves
+#: behind and that it waits on forever; whoever holds ``build.lock`` knows no build is running and removes it.
+BUILD_LOCK = "build.lock"
+#: Where flock is missing (not POSIX): a ``lock`` left older than this is taken for a killed build's (the build
+#: takes ~2 min on 2 cores).
 STALE_LOCK_S = 900
 #: Where a failed build says why, beside the library it did not make: later imports read it instead of failing
-#: the same build again (a compile error costs a minute each time); ``python -m gradops.native`` retries.
+#: the same build again (a compile error costs a minute each time), until the compiler changes (``TOOLCHAIN``
+#: records which one failed) or ``python -m gradops.native`` retries. A missing compiler or an unwritable cache
+#: is no failed build: found before building, in a few milliseconds, and tried again by every import.
 FAILED = "failed.txt"
+TOOLCHAIN = "toolchain.txt"
+
+
+class BuildRefused(RuntimeError):
+    """The build cannot start here: no C++ compiler, or a cache folder that cannot be written. ``fix`` says what
+    to do about it."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(cause)
+        self.fix = fix
+
+
+def _compiler() -> str:
+    """The C++ compiler torch's extension builder runs: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "").strip() or "c++"
+
+
+def toolchain() -> str:
+    """What a build depends on outside the sources: the compiler's path, size and time, and ninja's path."""
+    found = shutil.which(_compiler())
+    try:
+        stat = os.stat(found) if found else None
+    except OSError:
+        stat = None
+    made = f"{stat.st_size}:{int(stat.st_mtime)}" if stat else "-"
+    return f"{_compiler()}={found or '-'}:{made}; ninja={shutil.which('ninja') or '-'}"
+
+
+def _preflight(directory: Path) -> None:
+    """Raise :class:`BuildRefused` when no build can run: no compiler on PATH, or a cache folder that cannot be
+    made or written."""
+    if shutil.which(_compiler()) is None:
+        named = "CXX=" + _compiler() if os.environ.get("CXX", "").strip() else "c++"
+        raise BuildRefused(f"no C++ compiler: {named} is not on PATH",
+                           "install one (g++ or clang++, e.g. apt-get install g++) or point CXX at it; the next "
+                           "import builds the kernels")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise BuildRefused(f"the build cache {directory} cannot be written ({err.strerror or err})",
+                           "set GRADOPS_CACHE_DIR to a writable folder (or make this one writable); the next import "
+                           "builds the kernels") from err
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Hold ``BUILD_LOCK`` in ``directory`` (waiting, with one line, while another process builds), and clear the
+    lock file a killed build of torch's builder left behind."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the age rule alone
+        fcntl = None
+    if fcntl is None:
+        _clear_stale(directory / "lock", STALE_LOCK_S)
+        yield
+        return
+    with open(directory / BUILD_LOCK, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"gradops: waiting for another process building the native CPU kernels in {directory}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            _clear_stale(directory / "lock", 0)  # no build runs: any lock of torch's is a killed build's
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_stale(lock: Path, older_than: float) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime >= older_than:
+            lock.unlink()
+            warnings.warn(f"gradops: removed the build lock of a build that was killed ({lock})", RuntimeWarning,
+                          stacklevel=4)
+    except FileNotFoundError:
+        pass
 
 
 def build(verbose: bool = False) -> Path:
     """Compile the extension (torch.utils.cpp_extension: needs a C++ compiler and ninja) unless it is built
-    already; returns the library's path. Raises what the build raises, after noting it in ``FAILED``."""
+    already; returns the library's path. Raises :class:`BuildRefused` when no build can run here, else what the
+    build raises, after noting it in ``FAILED``."""
     library = _library()
-    if library.exists():
+    if library.exists() and _damaged(library) is None:
         return library
     from torch.utils.cpp_extension import load
 
     directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            warnings.warn(f"gradops: removed a build lock older than {STALE_LOCK_S} s in {directory} (a build "
-                          "was killed)", RuntimeWarning, stacklevel=2)
-    except FileNotFoundError:
-        pass
-    (directory / FAILED).unlink(missing_ok=True)
-    # A TERM (timeout(1), a job scheduler) ends Python without cleanup and would leave the lock: raised as SystemExit
-    # instead, torch's builder releases it on the way out (main thread only, where handlers can be set).
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
-    # No torch/extension.h (the whole C++ API), which triples the build time for nothing used here.
-    try:
-        load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
-             extra_ldflags=list(_OPENMP), verbose=verbose)
-    except Exception as err:
-        (directory / FAILED).write_text(f"{_build_error(err)}\n")
-        raise
-    finally:
-        if main:  # None: a handler set outside Python, i.e. the default
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    _preflight(directory)
+    with _build_lock(directory):
+        if library.exists() and _damaged(library) is None:  # built by the process this one waited for
+            return library
+        library.unlink(missing_ok=True)
+        (directory / FAILED).unlink(missing_ok=True)
+        # A TERM (timeout(1), a job scheduler) ends Python without cleanup: raised as SystemExit instead, torch's
+        # builder releases its lock on the way out (main thread only, where handlers can be set).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+        # No torch/extension.h (the whole C++ API), which triples the build time for nothing used here.
+        try:
+            load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
+                 extra_ldflags=list(_OPENMP), verbose=verbose)
+        except Exception as err:
+            (directory / FAILED).write_text(f"{_build_error(err)}\n")
+            (directory / TOOLCHAIN).write_text(f"{toolchain()}\n")
+            raise
+        finally:
+            if main:  # None: a handler set outside Python, i.e. the default
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return library
 
 
 def _build_error(err: Exception) -> str:
     """A failed build in a few lines: the exception's first line (torch's builder puts the whole compiler command
-    there) cut to 200 characters, then the compiler's own ``error:`` lines (the first 8), which say what to fix."""
+    there) cut to 200 characters, then the lines that say what failed (the compiler's ``error:`` lines, a tool
+    ``not found``; the first 8)."""
     lines = str(err).strip().splitlines() or [""]
-    errors = [line.strip() for line in lines[1:] if "error" in line.lower()][:8]
+    said = ("error", "not found", "fatal", "killed")
+    errors = [line.strip() for line in lines[1:] if any(word in line.lower() for word in said)][:8]
     return "\n".join([f"{type(err).__name__}: {lines[0][:200]}", *errors])
+
+
+def _fix_of(err: Exception) -> str:
+    if isinstance(err, BuildRefused):
+        return err.fix
+    if "ninja" in str(err).lower() and "required" in str(err).lower():
+        return "pip install ninja, then import gradops again"
+    return FIX
+
+
+def _damaged(library: Path) -> str | None:
+    """Why ``library`` cannot be mapped safely, or None. A truncated ELF file (a full disk, an interrupted copy of
+    the cache) maps and then faults with SIGBUS on the first page past its end, which kills the process at
+    ``import gradops``: its segments and section table must lie inside the file. Other formats are not read."""
+    try:
+        size = library.stat().st_size
+        with open(library, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF":
+                return "not an ELF file" if sys.platform.startswith("linux") else None
+            wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            if len(head) < (64 if wide else 52):
+                return f"truncated to {size} bytes"
+            if wide:
+                phoff, shoff = struct.unpack_from(order + "QQ", head, 32)
+                phsize, phnum, shsize, shnum = struct.unpack_from(order + "HHHH", head, 54)
+            else:
+                phoff, shoff = struct.unpack_from(order + "II", head, 28)
+                phsize, phnum, shsize, shnum = struct.unpack_from(order + "HHHH", head, 42)
+            ends = [phoff + phsize * phnum, shoff + shsize * shnum]
+            if ends[0] <= size:
+                f.seek(phoff)
+                table = f.read(phsize * phnum)
+                for k in range(phnum):
+                    entry = table[k * phsize:(k + 1) * phsize]
+                    kind = struct.unpack_from(order + "I", entry, 0)[0]
+                    offset, filesz = (struct.unpack_from(order + "Q", entry, o)[0] for o in (8, 32)) if wide else \
+                        (struct.unpack_from(order + "I", entry, o)[0] for o in (4, 16))
+                    if kind == 1:  # PT_LOAD: mapped from the file
+                        ends.append(offset + filesz)
+    except (OSError, struct.error) as err:
+        return f"unreadable ({err})"
+    past = max(ends)
+    return f"truncated: {size} bytes where its headers need {past}" if past > size else None
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -178,36 +312,56 @@ def _terminate(signum: int, frame: object) -> None:
 _loaded: ModuleType | None = None
 #: Why the kernels cannot be had in this process (a failed build or load), or None. Decided once.
 _failure: str | None = None
+#: Whether this process printed its line about the failure (the slow path's warning then says nothing more).
+_said = False
 FIX = "install a C++ compiler (g++ or clang++) and ninja (pip install ninja), then run python -m gradops.native"
+
+
+def _say_failure(cause: str, fix: str) -> str:
+    global _failure, _said
+    _failure = f"the native CPU kernels could not be built ({cause})"
+    print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {fix}",
+          file=sys.stderr)
+    _said = True
+    return _failure
+
+
+def failure_said() -> bool:
+    """Whether this process already printed why the kernels cannot be had (:func:`ensure_built`)."""
+    return _said
 
 
 def ensure_built() -> str | None:
     """Build the extension now unless it is built for this torch, Python and CPU: what the first import of gradops
     does, so that no training step ever waits for a compiler. Says so in one line before and after (the build
-    takes ~1-2 min on 2 cores); on failure one line says what runs instead and how to fix it. Returns why the
+    takes ~1-2 min on 2 cores); on failure one line says why, what runs instead and how to fix it. Returns why the
     kernels cannot be had, or None."""
-    global _failure
     if _loaded is not None or _failure is not None or _library().exists():
-        return _failure
+        return _failure  # a damaged library is found where it is loaded (_load), and rebuilt there
+    directory = build_dir()
     try:
-        earlier = (build_dir() / FAILED).read_text().strip()
+        earlier = (directory / FAILED).read_text().strip()
     except OSError:
         earlier = None
-    if earlier is not None:  # failed before for these sources, torch and CPU: said, not tried again here
-        _failure = f"the native CPU kernels could not be built ({earlier}; {build_dir() / FAILED})"
-        print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {FIX}",
-              file=sys.stderr)
-        return _failure
+    if earlier is not None:
+        try:
+            failed_with = (directory / TOOLCHAIN).read_text().strip()
+        except OSError:
+            failed_with = None
+        if failed_with is None or failed_with == toolchain():
+            # failed before for these sources, torch, CPU and compiler: said, not tried again here
+            return _say_failure(f"{earlier}; {directory / FAILED}", FIX)
     start = time.perf_counter()
-    print(f"gradops: building the native CPU kernels into {build_dir()} (once per torch version, ~1-2 min)",
+    try:
+        _preflight(directory)
+    except BuildRefused as err:
+        return _say_failure(str(err), err.fix)
+    print(f"gradops: building the native CPU kernels into {directory} (once per torch version, ~1-2 min)",
           file=sys.stderr, flush=True)
     try:
         build()
     except Exception as err:  # the compiler's or ninja's failure, whatever it is
-        _failure = f"the native CPU kernels could not be built ({_build_error(err)})"
-        print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {FIX}",
-              file=sys.stderr)
-        return _failure
+        return _say_failure(_build_error(err), _fix_of(err))
     print(f"gradops: native CPU kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return None
 
@@ -237,8 +391,6 @@ def kernels() -> ModuleType:
 def _rebuild(err: Exception) -> str | None:
     """A library that does not load (a damaged cache entry): removed, rebuilt and loaded, with one warning."""
     global _loaded, _failure
-    import shutil
-
     warnings.warn(f"gradops: the native library in {build_dir()} does not load ({type(err).__name__}: {err}); "
                   "rebuilding it", RuntimeWarning, stacklevel=3)
     shutil.rmtree(build_dir(), ignore_errors=True)
@@ -259,6 +411,9 @@ def kernels_failure() -> str | None:
 
 
 def _load(library: Path) -> ModuleType:
+    damaged = _damaged(library)
+    if damaged is not None:  # mapped as it is, it would fault with SIGBUS past its end and kill the process
+        raise ImportError(f"{library.name} is damaged ({damaged})")
     spec = importlib.util.spec_from_file_location(name(), library)
     assert spec is not None and spec.loader is not None
     loaded = importlib.util.module_from_spec(spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import build, build_dir, reset, status
+from . import BuildRefused, _build_error, _fix_of, build, build_dir, reset, status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         library = build(verbose=args.verbose)
     except Exception as err:  # the compiler's or ninja's failure, whatever it is: said, and the Python path stays
-        print(f"gradops.native: build failed in {build_dir()}: {type(err).__name__}: {err}", file=sys.stderr)
+        cause = str(err) if isinstance(err, BuildRefused) else _build_error(err)
+        print(f"gradops.native: build failed in {build_dir()}: {cause}. To fix: {_fix_of(err)}", file=sys.stderr)
         return 1
     reset()
     state = status()
