@@ -49,13 +49,22 @@ rstd, gamma = torch.rand(2048) + 0.5, torch.randn(1024)
 torch.nn.functional.layer_norm(x, (1024,))  # torch's own parallel region in the parent
 want_h = gradops.hardswish_backward(g, x)  # and the kernels'
 want_r = gradops.rms_norm_grad(g, x, rstd, gamma)[0]
+table, ids = torch.randn(4096, 256), torch.randint(0, 4096, (8192,))
+leaf, up = table.clone().requires_grad_(), torch.randn(8192, 256)
+want_e = gradops.embedding(table, ids)
+gradops.embedding(leaf, ids).backward(up)
+want_d, leaf.grad = leaf.grad, None
 bits = lambda t: t.view(torch.uint8).numpy().tobytes()
 
-# 1. a plain fork: no torch call in the child but gradops' (any parallel region there hangs, torch's included)
+# 1. a plain fork: no torch call in the child but gradops' (any parallel region there hangs, torch's included;
+#    the embedding's lookup is torch's index_select, which hung here before it ran on one thread)
 pid = os.fork()
 if pid == 0:
-    got = [bits(gradops.hardswish_backward(g, x)), bits(gradops.rms_norm_grad(g, x, rstd, gamma)[0])]
-    os._exit(0 if got == [bits(want_h), bits(want_r)] else 3)
+    got = [bits(gradops.hardswish_backward(g, x)), bits(gradops.rms_norm_grad(g, x, rstd, gamma)[0]),
+           bits(gradops.embedding(table, ids))]
+    gradops.embedding(leaf, ids).backward(up)
+    got.append(bits(leaf.grad))
+    os._exit(0 if got == [bits(want_h), bits(want_r), bits(want_e), bits(want_d)] else 3)
 assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "plain fork"
 
 # 2. fork-started DataLoader workers computing at parallel sizes

@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -200,20 +200,25 @@ def _serially(choice: Choice) -> Choice:
     DataLoader worker, a multiprocessing pool), any parallel region hangs: the compiled kernels' and torch's own
     (measured: a 2048 x 1024 reference call never returned); one thread enters none. The previous thread count is
     restored after each call, so the caller's own torch settings stand."""
-    fn = choice.fn
+    return choice._replace(fn=functools.wraps(choice.fn)(functools.partial(on_one_thread, choice.fn)))
 
-    @functools.wraps(fn)
-    def serial(*args, **kwargs):
-        threads = torch.get_num_threads()
-        if threads == 1:
-            return fn(*args, **kwargs)
-        torch.set_num_threads(1)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
 
-    return choice._replace(fn=serial)
+def on_one_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on one torch thread, the caller's thread count restored after."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return fn(*args, **kwargs)
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def forked_cpu_call(device: torch.device) -> bool:
+    """Whether torch work on ``device`` must run on one thread here: CPU work in a child forked after GNU OpenMP
+    ran (see :func:`_serially`). Op bodies that call torch themselves, beside their backend, ask this."""
+    return device.type == "cpu" and _forked_omp_child()
 
 
 @cache

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from ..backend import forked_cpu_call, on_one_thread
 from ..contract import embedding as contract
 from ..contract._common import accumulator
 from ..contract.embedding import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
@@ -144,6 +145,12 @@ def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_gra
     # the backward's launch, any later gradops launch or check, or gradops.synchronize() reports it. Elsewhere
     # (CPU, the torch backend, which launches nothing that would) it refuses at once.
     defer = indices.is_cuda and plan.backend.name == "triton"
+    if forked_cpu_call(weight.device):  # torch's parallel regions hang in a child forked after OpenMP ran
+        return on_one_thread(_rows, weight, indices, defer)
+    return _rows(weight, indices, defer)
+
+
+def _rows(weight: Tensor, indices: Tensor, defer: bool) -> Tensor:
     idx = checked_indices(indices, weight.shape[0], op="embedding", defer=defer)
     return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
 
