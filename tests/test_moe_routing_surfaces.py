@@ -203,6 +203,13 @@ def test_aclnn_routing_map_statuses():
                     torch.empty_like(permuted), torch.empty(T, E))[0] == TILING  # "shape does not fit": 561002
     assert ug_first(dy, sorted_indices, sorted_indices, routing_map, permuted, probs, False, None,
                     torch.empty_like(permuted), torch.empty(T, E + 1))[0] == TILING
+    # probs of another shape than the map's, or another T: a shape too (561002; was 161002)
+    assert ug_first(dy, sorted_indices, sorted_indices, routing_map, permuted, probs[:, :-1], False, None,
+                    torch.empty_like(permuted), torch.empty(T, E - 1))[0] == TILING
+    assert ug_first(dy, sorted_indices, sorted_indices, routing_map, permuted, probs[:-1], False, None,
+                    torch.empty_like(permuted), torch.empty(T - 1, E))[0] == TILING
+    assert ug_first(dy, sorted_indices, sorted_indices, routing_map[:-1], permuted, probs[:-1], False, None,
+                    torch.empty_like(permuted), torch.empty(T - 1, E))[0] == TILING
 
 
 def test_aclnn_routing_map_values_are_refused_when_the_executor_runs():

@@ -58,23 +58,24 @@ def _bool(op: str, name: str, value: object) -> None:
 
 
 def _map_and_probs(op: str, routing_map, probs, tokens: int | None, cann: bool, map_name: str = "routing_map",
-                   probs_name: str = "probs") -> int:
-    """The optional (T, E) routing map and probs: dtypes, ranks, T and E agreeing; returns E (0 if neither)."""
+                   probs_name: str = "probs", shapes: int = INVALID) -> int:
+    """The optional (T, E) routing map and probs: dtypes, ranks, T and E agreeing; returns E (0 if neither).
+    ``shapes``: the status of shapes that do not agree (the unpermute gradient's 561002 under CANN)."""
     experts = 0
     if routing_map is not None:
         require_dtype(op, map_name, routing_map, MAP_DTYPES)
         require_rank(op, map_name, routing_map, 2, 2)
         if tokens is not None and routing_map.shape[0] != tokens:
-            raise fail(INVALID, op, f"{map_name}.shape", f"(T, E) with T = {tokens}", shape_text(routing_map.shape))
+            raise fail(shapes, op, f"{map_name}.shape", f"(T, E) with T = {tokens}", shape_text(routing_map.shape))
         experts = routing_map.shape[1]
     if probs is not None:
         require_dtype(op, probs_name, probs, floats(cann))
         require_rank(op, probs_name, probs, 2, 2)
         if routing_map is not None and probs.shape != routing_map.shape:
-            raise fail(INVALID, op, f"{probs_name}.shape", f"{shape_text(routing_map.shape)} (routing_map's shape)",
+            raise fail(shapes, op, f"{probs_name}.shape", f"{shape_text(routing_map.shape)} (routing_map's shape)",
                        shape_text(probs.shape))
         if tokens is not None and probs.shape[0] != tokens:
-            raise fail(INVALID, op, f"{probs_name}.shape", f"(T, E) with T = {tokens}", shape_text(probs.shape))
+            raise fail(shapes, op, f"{probs_name}.shape", f"(T, E) with T = {tokens}", shape_text(probs.shape))
         experts = probs.shape[1]
     return experts
 
@@ -191,7 +192,7 @@ def check_restore_shape(op: str, restore_shape: object, hidden: int) -> int:
 def _unpermute_plan(op: str, permuted_tokens, sorted_indices, tokens: int, probs, routing_map, drop_and_pad,
                     cann: bool, shapes: int = INVALID) -> RouteShape:
     """The unpermute pair's shared part; ``shapes``: the status of a sorted_indices shape that does not fit."""
-    experts = _map_and_probs(op, routing_map, probs, tokens, cann)
+    experts = _map_and_probs(op, routing_map, probs, tokens, cann, shapes=shapes)
     if probs is not None and routing_map is None and not drop_and_pad:
         raise fail(NULLPTR, op, "routing_map", "a tensor (with probs, each slot's expert comes from it)", "None")
     rows, h = permuted_tokens.shape
