@@ -203,3 +203,52 @@ def test_example_without_a_gpu_refuses_device_cuda_in_one_line(script, no_gpu, c
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert err == f"{script}: error: --device cuda, but torch sees no CUDA device (use --device cpu)\n"
+
+
+# ---------------------------------------------------------------- first contact: help, version, stray arguments
+def test_help_describes_gradops_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    text = " ".join(out.split())
+    assert cli.DESCRIPTION in text and text.count("``") == 0  # was the docstring's first line, cut mid-sentence
+
+
+def test_version_names_gradops_and_torch(capsys):
+    import gradops
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == \
+        f"gradops {gradops.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+@pytest.mark.parametrize("command", ["bench", "check", "env", "demo"])
+def test_an_unknown_argument_names_the_subcommand(capsys, command):
+    line = _refused(capsys, [command, "--bogus"])
+    assert line == f"gradops {command}: error: unrecognized arguments: --bogus"
+
+
+def test_env_aligns_every_op_name(capsys):
+    assert cli.main(["env"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    columns = {len(line) - len(line.rstrip().rsplit(" ", 1)[-1]) for line in rows}
+    assert rows and len(columns) == 1, rows  # the routing-map names were longer than the column
+
+
+# ---------------------------------------------------------------- golden: the routing-map and unpermute edge cases
+@pytest.mark.parametrize("op", ["moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad",
+                                "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad"])
+def test_golden_refuses_a_negative_num_out_tokens_in_one_line(capsys, tmp_path, op):
+    code = cli.main(["golden", op, "--shape", "8x4", "--num-out-tokens", "-3", "--out", str(tmp_path / "case")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.splitlines() == [
+        "gradops golden: --num-out-tokens must be >= 0 (the permuted rows the forward keeps), got -3"], err
+
+
+@pytest.mark.parametrize("op", ["moe_token_unpermute", "moe_token_unpermute_grad"])
+def test_golden_writes_unpermute_cases_of_no_columns(capsys, tmp_path, op):
+    assert cli.main(["golden", op, "--shape", "8x0", "--out", str(tmp_path / "case")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "case" / "manifest.json").exists()

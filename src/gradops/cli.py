@@ -42,18 +42,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: What ``gradops --help`` says above the subcommands.
+DESCRIPTION = ("gradops: Huawei CANN's training backward operators for PyTorch, on CPU and NVIDIA GPUs. "
+               "'gradops COMMAND --help' describes each command.")
+
+
+def _version() -> str:
+    from . import __version__
+
+    torch = importlib.import_module("torch")
+    return f"gradops {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="gradops", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="gradops", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_version(), help="print gradops' version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    parsers = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:  # import only the subcommand that runs
             module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so that the line names the command the argument was given to
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command in RUNS_OPS:
             check_backend_variable()

@@ -52,17 +52,19 @@ def run(args: argparse.Namespace) -> int:
             why = str(err)
     else:  # said, not built here: the install or the first import builds them
         why = native.kernels_failure() or "not built"
-    kernels = "built" if why is None else f"unavailable, CPU tensors use the reference ({why}; to fix: {native.FIX})"
+    kernels = "built" if why is None else \
+        f"unavailable, CPU tensors use the reference ({why}; to fix: {native.kernels_fix()})"
     print(f"CPU kernels (C++, {native.build_dir()}): {kernels}")
     nodes = ", ".join(sorted(spec.name for spec in SPECS if spec.node))
     print(f"native path (autograd nodes: {nodes}; direct calls of the public functions): {native.status()}")
     for device in devices():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         print(f"\n{device} ({name})")
+        width = max(map(len, OPS))
         for op in OPS:
             try:
                 chosen, _ = backend.select(op, device)
             except RuntimeError as err:
                 chosen = f"unavailable: {err}"
-            print(f"  {op:<26} {chosen}")
+            print(f"  {op:<{width}}  {chosen}")
     return 0

@@ -317,9 +317,12 @@ _said = False
 FIX = "install a C++ compiler (g++ or clang++) and ninja (pip install ninja), then run python -m gradops.native"
 
 
+_fix = FIX
+
+
 def _say_failure(cause: str, fix: str) -> str:
-    global _failure, _said
-    _failure = f"the native CPU kernels could not be built ({cause})"
+    global _failure, _said, _fix
+    _failure, _fix = f"the native CPU kernels could not be built ({cause})", fix
     print(f"gradops: {_failure}; CPU tensors use the pure-torch reference, ~10-50x slower. To fix: {fix}",
           file=sys.stderr)
     _said = True
@@ -403,6 +406,11 @@ def _rebuild(err: Exception) -> str | None:
         _failure = f"the native library does not load ({type(again).__name__}: {again})"
         return _failure
     return None
+
+
+def kernels_fix() -> str:
+    """What fixes :func:`kernels_failure` (a compiler, a writable cache folder, ninja, ...)."""
+    return _fix
 
 
 def kernels_failure() -> str | None:

@@ -115,7 +115,10 @@ def _golden_routing(t, draw, opts):
     probs = (probs / probs.sum(1, keepdim=True).clamp_min(1e-30)).to(draw.dtype)
     drop = bool(opts.get("drop_and_pad", False))
     default = max(-(-t * k // experts), 1) * experts if drop else k * t
-    return routing_map, probs, int(opts.get("num_out_tokens") or default), drop
+    given = opts.get("num_out_tokens")
+    if given is not None and int(given) < 0:  # the forward's range: the gradients' cases are made by the forward
+        draw.fail(f"--num-out-tokens must be >= 0 (the permuted rows the forward keeps), got {given}")
+    return routing_map, probs, int(given or default), drop
 
 
 def _golden_inputs(op):
