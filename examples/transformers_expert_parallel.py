@@ -8,8 +8,8 @@ own exchange, with gradops' experts inside. Nothing is downloaded: the model is 
 to a temporary directory (``from_pretrained`` is transformers' distributed entry point); the text is the Python
 standard library's docstrings, bytes as tokens. The N processes are spawned here (gloo, a file store: no port).
 
-Run (after ``bash scripts/test.sh`` or ``bash scripts/main.sh`` set up ``.venv``; needs ``accelerate``, which
-transformers' distributed loading imports)::
+Run (after ``bash scripts/test.sh`` or ``bash scripts/main.sh`` set up ``.venv``, or ``pip install -e
+'.[transformers]'``, which brings ``accelerate``: transformers' distributed loading imports it)::
 
     python examples/transformers_expert_parallel.py                     # 2 ranks, gradops' exchange
     python examples/transformers_expert_parallel.py --ep-implementation all_to_all --ranks 4

@@ -2,7 +2,7 @@
 text is the Python standard library's own docstrings, bytes as tokens).
 
 Run (after ``bash scripts/test.sh`` or ``bash scripts/main.sh`` set up ``.venv``, or ``pip install -e
-'.[cpu,transformers]'``)::
+'.[transformers]'``)::
 
     python examples/transformers_qwen3_moe.py                  # gradops.patch on the built model
     python examples/transformers_qwen3_moe.py --way register   # register, then from_config(experts="gradops")
