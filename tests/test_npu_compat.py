@@ -136,3 +136,13 @@ def test_unpermute_pair_is_validated(call, arg):
 def test_never_imports_torch_npu():
     code = "import sys, gradops.npu_compat; sys.exit('torch_npu' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("rows", [5, 2**40, 2**63 - 1])
+def test_unpermute_grad_v2_refuses_a_row_count_before_allocating(rows):
+    # Without probs the permuted tokens are a stand-in of permuted_tokens_size_0 rows: allocated before the size
+    # was checked, 2**40 rows failed in the allocator and 2**63 - 1 overflowed (RuntimeError / TypeError).
+    grad, order = torch.randn(4, 3), torch.randperm(4).to(torch.int32)
+    with pytest.raises(OpError, match="permuted_tokens_size_0 must be at most T\\*K") as err:
+        npu.npu_moe_token_unpermute_grad_v2(grad, order, rows, torch.float32)
+    assert err.value.status == 161002

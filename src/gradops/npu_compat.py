@@ -182,8 +182,13 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens: Tensor, sorted_indic
         if probs is not None:
             raise OpError(ACLNN_ERR_PARAM_NULLPTR, op, "permuted_tokens",
                           "a tensor (the probs' gradient reads it)", "None")
-        if not isinstance(grad_unpermuted_tokens, Tensor):  # let the op name the missing gradient
-            permuted_tokens = grad_unpermuted_tokens
+        if isinstance(sorted_indices, Tensor) and permuted_tokens_size_0 > sorted_indices.numel():
+            # before the stand-in below is allocated (2**40 rows failed in the allocator, 2**63 overflowed)
+            raise OpError(ACLNN_ERR_PARAM_INVALID, op, "permuted_tokens_size_0",
+                          f"at most T*K = sorted_indices.numel() = {sorted_indices.numel()} rows (fewer when tokens "
+                          "were dropped)", repr(permuted_tokens_size_0))
+        if not isinstance(grad_unpermuted_tokens, Tensor) or grad_unpermuted_tokens.dim() != 2:
+            permuted_tokens = grad_unpermuted_tokens  # let the op name the missing or misshapen gradient
         else:  # read for its shape and dtype only: an uninitialised stand-in, never touched
             permuted_tokens = torch.empty((permuted_tokens_size_0, grad_unpermuted_tokens.shape[-1]),
                                           dtype=permuted_tokens_dtype, device=grad_unpermuted_tokens.device)
