@@ -124,6 +124,31 @@ BACKWARD_OPS = {
 }
 
 
+# The MoE token movers (their backward ops raised "no autograd formula was registered" on a second backward).
+_TOPK = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 0]])
+_ORDER = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4], dtype=torch.int32)
+_MAP = torch.tensor([[1, 1, 0], [0, 1, 0], [0, 0, 1], [1, 0, 1]], dtype=torch.bool)
+MOE_FUNCTIONS = {
+    "moe_token_permute": lambda: (lambda x: gradops.moe_token_permute(x, _TOPK)[0], (_x(4, 3),)),
+    "moe_token_unpermute": lambda: (lambda p, w: gradops.moe_token_unpermute(p, _ORDER, w), (_x(8, 3), _x(4, 2))),
+    "moe_token_unpermute-no-probs": lambda: (lambda p: gradops.moe_token_unpermute(p, _ORDER[:4].argsort().int()),
+                                             (_x(4, 3),)),
+    "moe_token_permute_with_routing_map": lambda: (
+        lambda x, w: gradops.moe_token_permute_with_routing_map(x, _MAP, w, 8)[:2], (_x(4, 3), _x(4, 3))),
+    "moe_token_unpermute_with_routing_map": lambda: (
+        lambda p, w: gradops.moe_token_unpermute_with_routing_map(
+            p, gradops.moe_token_permute_with_routing_map(torch.zeros(4, 3), _MAP, None, 8)[2], (4, 3), w, _MAP),
+        (_x(8, 3), _x(4, 3))),
+}
+
+
+@pytest.mark.parametrize("name", MOE_FUNCTIONS)
+def test_moe_second_derivatives(name, backend):
+    fn, inputs = MOE_FUNCTIONS[name]()
+    assert gradcheck(fn, inputs)
+    assert gradgradcheck(fn, inputs)
+
+
 @pytest.mark.parametrize("name", BACKWARD_OPS)
 def test_backward_ops(name, backend):
     fn, inputs = BACKWARD_OPS[name]()

@@ -21,8 +21,12 @@ the forward op's backward as ``drstd`` / ``dmean`` / ``dvar``, whose terms that 
 :mod:`gradops.ops._embedding`). ``hardswish_backward``'s derivative keeps CANN's closed interval: ``g / 3`` for x on
 [-3, 3], kinks included, where torch's formula has the open interval.
 
-Not covered: AscendC's ``layer_norm_grad`` / ``layer_norm_grad_beta`` and the MoE backward ops (their torch
-counterparts, if any, are not what the modules call), which still raise "has no derivative" on a second backward;
+The MoE backward ops (``moe_token_permute_grad``, ``moe_token_unpermute_grad`` and the routing-map pair) move
+and weight rows by their indices: :func:`reference_derivative` differentiates their references with respect to
+their floating-point tensors, the indices held as given (and tested again by the reference).
+
+Not covered: AscendC's ``layer_norm_grad`` / ``layer_norm_grad_beta`` (their torch counterparts, if any, are not
+what the modules call), which still raise "has no derivative" on a second backward;
 forward-mode AD (``jvp``, ``torch.func.hessian``), which no gradops op implements; and torch.compile, whose
 aot_autograd refuses double backward for every op ("does not currently support double backward"; torch 2.13).
 """
@@ -30,6 +34,7 @@ aot_autograd refuses double backward for every op ("does not currently support d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,3 +81,33 @@ def save_inputs(ctx, inputs: tuple, output: object) -> None:
     """setup_context of a backward op differentiated by :func:`partial_vjp`: keep every argument (tensors saved,
     so that autograd's version check guards them)."""
     ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)))
+
+
+def reference_derivative(formula: Callable[..., Any]) -> tuple[Callable[..., tuple], Callable[..., None]]:
+    """``(backward, setup_context)`` for a backward op whose derivative is its reference's: ``formula(*args,
+    compute=dtype)`` is the reference on the op's own arguments. Every floating-point tensor argument is
+    differentiated (:func:`partial_vjp`); integer tensors (indices, a routing map) and scalars are held as given
+    and get no gradient."""
+
+    def setup(ctx, inputs: tuple, output: object) -> None:
+        ctx.save_for_backward(*(a if isinstance(a, Tensor) else None for a in inputs))
+        ctx.scalars = tuple(None if isinstance(a, Tensor) else a for a in inputs)
+
+    def backward(ctx, *grads: Tensor | None) -> tuple:
+        args = [t if t is not None else v for t, v in zip(ctx.saved_tensors, ctx.scalars)]
+        live = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.is_floating_point()]
+
+        def at(*values: Tensor) -> tuple:
+            full = list(args)
+            for i, v in zip(live, values):
+                full[i] = v
+            out = formula(*full, compute=compute_dtype(*values))
+            return out if isinstance(out, tuple) else (out,)
+
+        found = partial_vjp(at, [args[i] for i in live], grads)
+        result: list[Tensor | None] = [None] * len(args)
+        for i, g in zip(live, found):
+            result[i] = g
+        return tuple(result)
+
+    return backward, setup

@@ -8,9 +8,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..contract import moe_permute as contract
 from ..contract.moe_permute import check_restore_shape
 from ._direct import BODY, DirectOp, eager_path, own
+from ._double import reference_derivative
 from ._out import Result, into
 from ._plan import Planner
 
@@ -79,6 +81,10 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
 
 _moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body,
                                    plan_moe_token_permute_grad, _permute_grad_results)
+# Linear in the gradient: its derivative (a second backward of moe_token_permute) is the reference's.
+_backward_of, _setup_of = reference_derivative(
+    lambda grad, indices, topk, padded_mode, compute: reference.moe_token_permute_grad(grad, indices, topk, compute))
+_moe_token_permute_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
 
 def _permute_2d(fn, shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
@@ -219,6 +225,11 @@ plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.che
 
 _moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body,
                                      plan_moe_token_unpermute_grad, _unpermute_grad_results)
+# Linear in the gradient and in each of permuted_tokens and probs: the derivative is the reference's.
+_backward_of, _setup_of = reference_derivative(
+    lambda permuted, grad, indices, probs, padded_mode, compute:
+    reference.moe_token_unpermute_grad(permuted, grad, indices, probs, compute))
+_moe_token_unpermute_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
 
 def _unpermute_setup(ctx, inputs, output):

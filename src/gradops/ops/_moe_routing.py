@@ -13,8 +13,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .. import reference
 from ..contract import moe_routing as contract
 from ._direct import DirectOp, own
+from ._double import reference_derivative
 from ._out import Result, into
 from ._plan import Planner
 
@@ -114,6 +116,8 @@ def _moe_token_permute_with_routing_map_grad_body(permuted_tokens_grad: Tensor, 
 _moe_token_permute_with_routing_map_grad = DirectOp(
     "gradops::moe_token_permute_with_routing_map_grad", _moe_token_permute_with_routing_map_grad_body,
     plan_moe_token_permute_with_routing_map_grad, _permute_grad_results)
+_backward_of, _setup_of = reference_derivative(reference.moe_token_permute_with_routing_map_grad)
+_moe_token_permute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
 
 # ---------------------------------------------------------------- unpermute
@@ -165,6 +169,8 @@ def _moe_token_unpermute_with_routing_map_grad_body(permuted_tokens: Tensor, gra
 _moe_token_unpermute_with_routing_map_grad = DirectOp(
     "gradops::moe_token_unpermute_with_routing_map_grad", _moe_token_unpermute_with_routing_map_grad_body,
     plan_moe_token_unpermute_with_routing_map_grad, _unpermute_grad_results)
+_backward_of, _setup_of = reference_derivative(reference.moe_token_unpermute_with_routing_map_grad)
+_moe_token_unpermute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
 
 # ---------------------------------------------------------------- public functions
