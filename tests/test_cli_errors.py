@@ -243,7 +243,7 @@ def test_env_aligns_every_op_name(capsys):
                                 "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad"])
 def test_golden_refuses_a_negative_num_out_tokens_in_one_line(capsys, tmp_path, op):
     code = cli.main(["golden", op, "--shape", "8x4", "--num-out-tokens", "-3", "--out", str(tmp_path / "case")])
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert code == 2 and err.splitlines() == [
         "gradops golden: --num-out-tokens must be >= 0 (the permuted rows the forward keeps), got -3"], err
 
