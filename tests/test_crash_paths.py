@@ -56,3 +56,34 @@ def test_unpermute_backward_retests_its_saved_indices(backend, with_probs, dtype
         out.sum().backward()
     assert err.value.status == 161002
     assert permuted.grad is None
+
+
+# ---------------------------------------------------------------- gradops.nn: OpError, and nothing changed first
+def test_rmsnorm_module_refuses_an_integer_input_with_operror(backend):
+    # eps=None took torch.finfo(int64) first: torch's TypeError instead of the op's refusal
+    with pytest.raises(OpError, match=r"x\.dtype must be one of") as err:
+        gradops.nn.RMSNorm(8)(torch.ones(2, 8, dtype=torch.int64))
+    assert err.value.status == 161002
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5], ids=["plain", "max_norm"])
+@pytest.mark.parametrize("indices", [[1, 10], [-1, 2], [1.0, 10.5], [float("nan"), 1.0]],
+                         ids=["past-table", "negative", "float-past-table", "nan"])
+def test_embedding_module_refuses_an_index_before_renormalising(backend, max_norm, indices):
+    # With max_norm, torch.embedding_renorm_ ran first: rows renormalised, then torch's IndexError (past the
+    # table) or RuntimeError (float indices).
+    module = gradops.nn.Embedding(10, 4, max_norm=max_norm)
+    before = module.weight.detach().clone()
+    with pytest.raises(OpError, match="indices must be values in") as err:
+        module(torch.tensor(indices))
+    assert err.value.status == 161002
+    assert torch.equal(module.weight.detach(), before), "no row may change before the refusal"
+
+
+def test_embedding_module_with_max_norm_takes_float_indices_as_cann_reads_them(backend):
+    module = gradops.nn.Embedding(10, 4, max_norm=0.5)
+    twin = torch.nn.Embedding(10, 4, max_norm=0.5)
+    twin.weight.data.copy_(module.weight.detach())
+    got = module(torch.tensor([1.7, 2.0, 9.9]))  # truncated toward zero: rows 1, 2, 9
+    want = twin(torch.tensor([1, 2, 9]))
+    assert torch.equal(got, want) and torch.equal(module.weight.detach(), twin.weight.detach())

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from . import ops
 from .contract._common import require_present, shape_text
+from .contract.embedding import check_embedding, checked_indices
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",
@@ -73,7 +74,8 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor):
             _not_a_tensor("rms_norm", "x", x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        # finfo of an integer x would raise torch's TypeError before the op could refuse x's dtype (OpError 161002)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
         gamma = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
         try:
             return ops.rms_norm(x, gamma, eps)[0]
@@ -128,8 +130,13 @@ class Embedding(torch.nn.Embedding):
         if self.padding_idx is not None:
             padding_idx = self.padding_idx + num_weights if self.padding_idx < 0 else self.padding_idx
         if self.max_norm is not None:
+            # The lookup's checks first: a refused index (past the table, a float outside it, a wrong dtype) must
+            # raise OpError before any row is renormalised, and torch's renorm takes only int32 / int64 indices:
+            # it gets the converted ones (floats truncated toward zero, as CANN reads them).
+            check_embedding(self.weight, indices, padding_idx, self.scale_grad_by_freq)
+            rows = checked_indices(indices, num_weights, op="embedding")
             with torch.no_grad():
-                torch.embedding_renorm_(self.weight, indices.contiguous(), self.max_norm, self.norm_type)
+                torch.embedding_renorm_(self.weight, rows, self.max_norm, self.norm_type)
         return ops.embedding(self.weight, indices, padding_idx, self.scale_grad_by_freq)
 
 
