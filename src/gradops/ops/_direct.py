@@ -413,7 +413,7 @@ class DirectOp:
             return self.functorch.apply(*args)
         if not _compat.is_compiling():  # dynamo traces neither the registration nor the profiler's state
             ensure_registered()  # a DTensor takes this path; its sharding rules are registered on first sight
-            if _profiling():
+            if _profiling is not None and _profiling():  # None: a torch without the hook (see _missing)
                 # Through the op's packet: torch 2.14 records no profiler event for a custom op called through its
                 # OpOverload (CustomOpDef.__call__), where the packet's call is recorded as gradops::<name>
                 # (2.11-2.13 record both).
