@@ -87,3 +87,22 @@ def test_embedding_module_with_max_norm_takes_float_indices_as_cann_reads_them(b
     got = module(torch.tensor([1.7, 2.0, 9.9]))  # truncated toward zero: rows 1, 2, 9
     want = twin(torch.tensor([1, 2, 9]))
     assert torch.equal(got, want) and torch.equal(module.weight.detach(), twin.weight.detach())
+
+
+# ---------------------------------------------------------------- one documented answer without probs
+def test_results_without_probs_are_empty_tensors_and_none_under_torch_npus_name():
+    # docs/api.md: gradops' functions (and torch.ops.gradops) give an empty (0,) tensor; npu_compat gives None for
+    # npu_moe_token_permute_with_routing_map's permuted probs, as torch_npu and Megatron do.
+    from gradops import npu_compat
+
+    tokens = torch.randn(4, 3)
+    routing = torch.tensor([[1, 1, 0], [0, 1, 0], [0, 0, 1], [1, 0, 1]], dtype=torch.bool)
+    permuted, permuted_probs, order = gradops.moe_token_permute_with_routing_map(tokens, routing, None, 8)
+    assert permuted_probs.shape == (0,) and permuted_probs.dtype == tokens.dtype
+    assert torch.ops.gradops.moe_token_permute_with_routing_map(tokens, routing, None, 8, False)[1].shape == (0,)
+    _, probs_grad = gradops.moe_token_permute_with_routing_map_grad(torch.randn_like(permuted), None, order, routing,
+                                                                    3, 4, False)
+    assert probs_grad.shape == (0,)
+    _, grad_probs = gradops.moe_token_unpermute_with_routing_map_grad(permuted, torch.randn(4, 3), order)
+    assert grad_probs.shape == (0,)
+    assert npu_compat.npu_moe_token_permute_with_routing_map(tokens, routing, num_out_tokens=8)[1] is None
