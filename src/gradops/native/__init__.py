@@ -315,8 +315,7 @@ _failure: str | None = None
 #: Whether this process printed its line about the failure (the slow path's warning then says nothing more).
 _said = False
 FIX = "install a C++ compiler (g++ or clang++) and ninja (pip install ninja), then run python -m gradops.native"
-
-
+#: What fixes ``_failure``: FIX, or the fix of the cause found (an unwritable cache folder, no compiler, ninja).
 _fix = FIX
 
 
