@@ -38,8 +38,13 @@ class _Parser(argparse.ArgumentParser):
     The message already names the argument and what it accepts; the usage block argparse prints above it (six
     lines for ``bench``) would bury that line, and ``--help`` still shows it. Subparsers inherit the class."""
 
+    #: The subcommand's prog (``gradops bench``) once one is chosen: the top-level parser reports arguments that no
+    #: parser took, and the line must name the command they were given to.
+    command_prog: str | None = None
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        prog = self.command_prog if message.startswith("unrecognized arguments") and self.command_prog else self.prog
+        self.exit(2, f"{prog}: error: {message}\n")
 
 
 #: What ``gradops --help`` says above the subcommands.
@@ -60,16 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parsers = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        p = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:  # import only the subcommand that runs
             module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # said by the subcommand's parser, so that the line names the command the argument was given to
-        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.command_prog = p.prog
+    args = parser.parse_args(argv)
     try:
         if args.command in RUNS_OPS:
             check_backend_variable()
