@@ -58,6 +58,20 @@ is_compiling: Callable[[], bool] = resolve("torch.compiler.is_compiling") or _ne
 HAS_OPENMP: bool = bool(lookup("torch._C.has_openmp"))
 
 
+def record_every_call(op: object) -> None:
+    """Route every call of a ``torch.library.custom_op`` through the C++ dispatcher, where the profiler records it.
+
+    torch 2.14 gives each custom op's OpOverload a Python-object dispatch fast path
+    (``OpOverload._enable_pyobj_dispatch``) that records no ``torch.profiler`` event: gradops' ops vanished from
+    traces, eager calls through the op and torch.compile's graphs alike (2.11-2.13 record them). Turned off here,
+    the op is called as on 2.13. A torch without the switch has no such path: nothing to do."""
+    overload = getattr(op, "_opoverload", None)
+    switch = None if "OpOverload._enable_pyobj_dispatch" in HIDDEN else \
+        getattr(overload, "_enable_pyobj_dispatch", None)
+    if callable(switch):
+        switch(False)
+
+
 def can_register_vmap(op: object) -> bool:
     """Whether a ``torch.library.custom_op`` object takes a vmap rule (``CustomOpDef.register_vmap``, torch 2.5).
     Without it ``torch.vmap`` over a gradops op fails as torch fails any custom op without a rule; nothing else

@@ -231,9 +231,7 @@ class DirectOp:
                  results: Callable[..., Any] | None = None, node: bool = False) -> None:
         self.body = body
         self.op = torch.library.custom_op(name, mutates_args=())(body)
-        namespace, _, opname = name.partition("::")
-        #: The op's OpOverloadPacket (``torch.ops.gradops.<name>``), what a profiled call goes through.
-        self.packet = getattr(getattr(torch.ops, namespace), opname)
+        _compat.record_every_call(self.op)  # the profiler names gradops::<op> on torch 2.14 too
         if _compat.can_register_vmap(self.op):  # torch >= 2.5; without it torch.vmap refuses the op
             self.op.register_vmap(_sample_by_sample(self.op))
         self.planner = planner
@@ -411,11 +409,6 @@ class DirectOp:
         self.validate(*args)
         if path == FUNCTORCH:
             return self.functorch.apply(*args)
-        if not _compat.is_compiling():  # dynamo traces neither the registration nor the profiler's state
+        if not _compat.is_compiling():  # dynamo cannot trace the registration (test_compile caught it)
             ensure_registered()  # a DTensor takes this path; its sharding rules are registered on first sight
-            if _profiling is not None and _profiling():  # None: a torch without the hook (see _missing)
-                # Through the op's packet: torch 2.14 records no profiler event for a custom op called through its
-                # OpOverload (CustomOpDef.__call__), where the packet's call is recorded as gradops::<name>
-                # (2.11-2.13 record both).
-                return self.packet(*args)
         return self.op(*args)
