@@ -33,8 +33,10 @@ def test_layer_norm_mean_and_variance_are_as_accurate_as_one_rounding(backend, n
     assert ((var.double() - vref) / vref).abs().max().item() < BOUND
 
 
-@pytest.mark.parametrize("n", LENGTHS[:4])
+@pytest.mark.parametrize("n", LENGTHS)
 def test_rms_norm_grad_row_sums_stay_accurate(backend, n):
+    # dx = (dy·g - x·rstd·c)·rstd with c a row sum: the in-order lanes' sum error at N = 2^20 (~2e-6) reaches dx as
+    # ~7e-7 of its largest value, where dx's own float32 arithmetic leaves ~1e-7: BOUND tells them apart.
     x, dy = torch.randn(2, n) + 3.0, torch.randn(2, n) + 1.0
     gamma = torch.rand(n) + 0.5
     rstd = (x.double().square().mean(1, keepdim=True) + 1e-6).rsqrt().float()
@@ -42,7 +44,7 @@ def test_rms_norm_grad_row_sums_stay_accurate(backend, n):
     xd, dyd, gd, sd = x.double(), dy.double(), gamma.double(), rstd.double()
     c = (dyd * gd * xd).mean(1, keepdim=True) * sd
     ref = (dyd * gd - xd * sd * c) * sd
-    assert ((dx.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((dx.double() - ref).abs().max() / ref.abs().max()).item() < BOUND
 
 
 @pytest.mark.parametrize("n", [3, 7, 100, 1000, 12345])
