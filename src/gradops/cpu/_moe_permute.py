@@ -151,10 +151,106 @@ def moe_token_unpermute_grad_shaped(shape: MoeShape, permuted_tokens: Tensor, gr
     return moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted)
 
 # ---------------------------------------------------------------- the routing-map ops
-# The permute family's kernels above on the slot tables of gradops.reference._moe_routing (docs/semantics.md §5b).
-(moe_token_permute_with_routing_map, moe_token_permute_with_routing_map_grad, moe_token_unpermute_with_routing_map,
- moe_token_unpermute_with_routing_map_grad) = routing.ops_on(routing.Kernels(
-    moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad))
+# One kernel per op (moe_permute.cpp: the slot tables of gradops.reference._moe_routing built in integer passes,
+# then the gather-sums above on them). A value the kernel refuses is raised by the same tables on the family
+# kernels, the Python form of the op, which names it (docs/semantics.md §5b).
+_TABLES = routing.ops_on(routing.Kernels(moe_token_permute, moe_token_permute_grad, moe_token_unpermute,
+                                         moe_token_unpermute_grad))
+
+
+def _refused(table_op, *args) -> None:
+    """Raise the OpError of a call whose routing-map kernel refused a value: the slot tables' (a table that
+    accepts what the kernel refused is gradops' bug, said as such)."""
+    table_op(*args)
+    raise RuntimeError("gradops: the routing-map kernel refused a value its slot tables accept; please report it")
+
+
+def _optional(t: Tensor | None) -> Tensor | None:
+    return None if t is None else dense(t)
+
+
+def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, probs: Tensor | None,
+                                       num_out_tokens: int | None, drop_and_pad: bool
+                                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """aclnnMoeTokenPermuteWithRoutingMap on the CPU: ``(permuted (A, H), permuted_probs (A,), sorted_indices
+    int32)``, permuted_probs an empty tensor of tokens' dtype without probs (see gradops.moe_token_permute_with_-
+    routing_map for the layouts)."""
+    t, h = tokens.shape
+    e = routing_map.shape[1]
+    wanted = t if num_out_tokens is None else num_out_tokens
+    per = wanted // e if drop_and_pad else (wanted // t if t else 0)
+    if not t or not per:
+        return _TABLES[0](tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+    slots = per * (e if drop_and_pad else t)
+    permuted = output(None, (slots, h), tokens.dtype)
+    permuted_probs = tokens.new_empty(0) if probs is None else output(None, (slots,), probs.dtype)
+    sorted_indices = output(None, (slots,), torch.int32)
+    bad = kernel("moe_token_permute_with_routing_map", (dense(tokens), dense(routing_map), _optional(probs)),
+                 (permuted, permuted_probs, sorted_indices), (per, int(drop_and_pad)))
+    if bad >= 0:
+        _refused(_TABLES[0], tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+    return permuted, permuted_probs, sorted_indices
+
+
+def moe_token_permute_with_routing_map_grad(grad: Tensor, grad_probs: Tensor | None, sorted_indices: Tensor,
+                                            routing_map: Tensor | None, num_experts: int, num_tokens: int,
+                                            drop_and_pad: bool) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenPermuteWithRoutingMapGrad on the CPU: ``(tokens_grad (T, H), probs_grad (T, E))``, probs_grad an
+    empty tensor of grad's dtype without grad_probs."""
+    args = (grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens, drop_and_pad)
+    if not num_tokens or not sorted_indices.numel():
+        return _TABLES[1](*args)
+    dtokens = output(None, (num_tokens, grad.shape[1]), grad.dtype)
+    dprobs = grad.new_empty(0) if grad_probs is None else output(None, (num_tokens, num_experts), grad_probs.dtype)
+    bad = kernel("moe_token_permute_with_routing_map_grad",
+                 (dense(grad), _optional(grad_probs), dense(sorted_indices), _optional(routing_map)), (dtokens, dprobs),
+                 (num_experts, num_tokens, int(drop_and_pad)))
+    if bad >= 0:
+        _refused(_TABLES[1], *args)
+    return dtokens, dprobs
+
+
+def _capacity(rows: int, probs: Tensor | None, routing_map: Tensor | None) -> int:
+    """drop_and_pad's rows per expert C = A // E (0 where neither probs nor the map says E)."""
+    known = probs if probs is not None else routing_map
+    return rows // known.shape[1] if known is not None and known.shape[1] else 0
+
+
+def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor, restore_shape,
+                                         probs: Tensor | None, routing_map: Tensor | None, drop_and_pad: bool
+                                         ) -> Tensor:
+    """aclnnMoeTokenUnpermuteWithRoutingMap on the CPU: ``out (T, H)`` in permuted_tokens' dtype."""
+    args = (permuted_tokens, sorted_indices, restore_shape, probs, routing_map, drop_and_pad)
+    tokens = restore_shape[0]
+    if not tokens or not sorted_indices.numel():
+        return _TABLES[2](*args)
+    out = output(None, (tokens, permuted_tokens.shape[1]), permuted_tokens.dtype)
+    bad = kernel("moe_token_unpermute_with_routing_map",
+                 (dense(permuted_tokens), dense(sorted_indices), _optional(probs), _optional(routing_map)), (out,),
+                 (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map)))
+    if bad >= 0:
+        _refused(_TABLES[2], *args)
+    return out
+
+
+def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor,
+                                              sorted_indices: Tensor, probs: Tensor | None,
+                                              routing_map: Tensor | None, drop_and_pad: bool
+                                              ) -> tuple[Tensor, Tensor]:
+    """aclnnMoeTokenUnpermuteWithRoutingMapGrad on the CPU: ``(grad_permuted (A, H), grad_probs (T, E))``,
+    grad_probs an empty tensor of permuted_tokens' dtype without probs."""
+    args = (permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map, drop_and_pad)
+    if not grad_unpermuted.shape[0] or not sorted_indices.numel():
+        return _TABLES[3](*args)
+    dx = output(None, tuple(permuted_tokens.shape), permuted_tokens.dtype)
+    dp = permuted_tokens.new_empty(0) if probs is None else output(None, tuple(probs.shape), probs.dtype)
+    bad = kernel("moe_token_unpermute_with_routing_map_grad",
+                 (dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices), _optional(probs),
+                  _optional(routing_map)), (dx, dp),
+                 (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map)))
+    if bad >= 0:
+        _refused(_TABLES[3], *args)
+    return dx, dp
 
 
 # ---------------------------------------------------------------- the direct calls' programs
@@ -202,11 +298,74 @@ def _program_moe_token_unpermute_grad(shape, permuted_tokens, grad_unpermuted, s
     return p.returns(dx, dp)
 
 
+def _slots(*tensors: Tensor | None) -> list[tuple[int, int] | None]:
+    """The kernel input slots of the op's tensor arguments, in order: None for an absent optional one (the call's
+    tensors are counted over those present)."""
+    slots, i = [], 0
+    for t in tensors:
+        slots.append(None if t is None else arg(i))
+        i += t is not None
+    return slots
+
+
+def _routing_program(name: str, inputs: list, outputs: list, ints: list) -> Program:
+    p = Program()
+    made = [p.output(shape, dtype) for shape, dtype in outputs]
+    p.kernel(name, inputs, made, ints)
+    return p.returns(*made)
+
+
+def _program_permute_with_routing_map(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+    if not shape.tokens or not shape.hidden or not shape.per:
+        return None
+    return _routing_program("moe_token_permute_with_routing_map", _slots(tokens, routing_map, probs),
+                            [((shape.rows, shape.hidden), tokens.dtype),
+                             ((0,), tokens.dtype) if probs is None else ((shape.rows,), probs.dtype),
+                             ((shape.rows,), torch.int32)], [shape.per, int(drop_and_pad)])
+
+
+def _program_permute_with_routing_map_grad(shape, grad, grad_probs, sorted_indices, routing_map, num_experts,
+                                           num_tokens, drop_and_pad):
+    if not num_tokens or not shape.hidden or not sorted_indices.numel():
+        return None
+    return _routing_program("moe_token_permute_with_routing_map_grad",
+                            _slots(grad, grad_probs, sorted_indices, routing_map),
+                            [((num_tokens, shape.hidden), grad.dtype),
+                             ((0,), grad.dtype) if grad_probs is None else ((num_tokens, num_experts),
+                                                                            grad_probs.dtype)],
+                            [num_experts, num_tokens, int(drop_and_pad)])
+
+
+def _program_unpermute_with_routing_map(shape, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
+                                        drop_and_pad):
+    if not shape.tokens or not shape.hidden or not sorted_indices.numel():
+        return None
+    return _routing_program("moe_token_unpermute_with_routing_map",
+                            _slots(permuted_tokens, sorted_indices, probs, routing_map),
+                            [((shape.tokens, shape.hidden), permuted_tokens.dtype)],
+                            [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
+
+
+def _program_unpermute_with_routing_map_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs,
+                                             routing_map, drop_and_pad):
+    if not shape.tokens or not shape.hidden or not sorted_indices.numel():
+        return None
+    return _routing_program("moe_token_unpermute_with_routing_map_grad",
+                            _slots(permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map),
+                            [(tuple(permuted_tokens.shape), permuted_tokens.dtype),
+                             ((0,), permuted_tokens.dtype) if probs is None else (tuple(probs.shape), probs.dtype)],
+                            [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
+
+
 #: op -> its program's builder, registered in programs.BUILDERS.
 PROGRAMS = {
     "moe_token_permute": _program_moe_token_permute,
     "moe_token_permute_grad": _program_moe_token_permute_grad,
     "moe_token_unpermute": _program_moe_token_unpermute,
     "moe_token_unpermute_grad": _program_moe_token_unpermute_grad,
+    "moe_token_permute_with_routing_map": _program_permute_with_routing_map,
+    "moe_token_permute_with_routing_map_grad": _program_permute_with_routing_map_grad,
+    "moe_token_unpermute_with_routing_map": _program_unpermute_with_routing_map,
+    "moe_token_unpermute_with_routing_map_grad": _program_unpermute_with_routing_map_grad,
 }
 BUILDERS.update(PROGRAMS)

@@ -71,14 +71,14 @@ std::unordered_map<std::string, int64_t> op_ids;
 constexpr size_t kProgramLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
 
 // Key tags of the scalar arguments; a tensor's entry starts with its dtype (>= 0), then its dim and sizes.
-enum Tag : int64_t { kNone = -1, kBool = -2, kInt = -3, kFloat = -4 };
+enum Tag : int64_t { kNone = -1, kBool = -2, kInt = -3, kFloat = -4, kInts = -5 };
 
 // Appends the metadata of the call arguments args[0:n] to key and their tensors to tensors; false when a direct
 // call cannot take them: a tensor that is not a plain contiguous CPU tensor (a subclass, meta, lazily negated or
 // conjugated, legacy-vmap batched), one autograd would record (``record``: grad mode is on), a hollow one (its
 // storage freed or shrunk: gradops::hollow, checked on every call since a program is remembered by metadata only),
-// or an argument other than a tensor, None, bool, int or float. What gradops.contract._memo.key_of reads, and
-// contiguity.
+// or an argument other than a tensor, None, bool, int, float or a list or tuple of ints (a shape). What
+// gradops.contract._memo.key_of reads, and contiguity.
 bool key_of(PyObject* const* args, Py_ssize_t n, bool record, std::vector<int64_t>& key,
             std::vector<const Tensor*>& tensors) {
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -108,6 +108,17 @@ bool key_of(PyObject* const* args, Py_ssize_t n, bool record, std::vector<int64_
     } else if (type == &PyFloat_Type) {
       key.push_back(kFloat);
       key.push_back(gradops::float_bits(PyFloat_AS_DOUBLE(a)));
+    } else if (PyList_Check(a) || PyTuple_Check(a)) {  // a shape (restore_shape): ints only
+      const Py_ssize_t len = PySequence_Fast_GET_SIZE(a);
+      key.push_back(kInts);
+      key.push_back(len);
+      PyObject* const* values = PySequence_Fast_ITEMS(a);
+      for (Py_ssize_t j = 0; j < len; ++j) {
+        int overflow = 0;
+        if (!PyLong_CheckExact(values[j])) return false;
+        key.push_back(PyLong_AsLongLongAndOverflow(values[j], &overflow));
+        if (overflow != 0) return false;
+      }
     } else {
       return false;
     }

@@ -700,10 +700,489 @@ int64_t moe_token_unpermute_grad(const KernelArgs& a) {
   return -1;
 }
 
+// ---------------------------------------------------------------- the routing-map ops
+// aclnnMoeTokenPermuteWithRoutingMap, aclnnMoeTokenUnpermuteWithRoutingMap and their gradients: the slot tables of
+// gradops.reference._moe_routing (docs/semantics.md §5b) built here in integer passes over the (T, E) map and the
+// sorted indices, then the gather-sums and scatters above on them. One kernel per op, so that a remembered call is
+// one C++ call (the Python slot tables cost 50-110 µs at 8 x 8, a dozen torch ops and a host read of the live count
+// each) and the same kernel runs on gradops' Python path: the sums are gather_sum / scatter_and_dot on the rows in
+// the order the tables give them, so the bits are those of the family kernels on the Python tables.
+//
+// Two layouts (the ops' drop_and_pad):
+//  - without dropping, K slots per token: slot (t, k) is token t's k-th routed expert (ascending) and its permuted
+//    row; rows are expert-major, tokens ascending within an expert (the stable sort by expert id). sorted_indices
+//    (T·K,) holds each slot's row, -1 for a slot past the token's last routed expert. What a gradient or unpermute
+//    accepts: entries >= -1 whose non-negative ones are the rows [0, live) once each, live <= A.
+//  - drop_and_pad, C rows per expert: expert e's rows [e·C, (e+1)·C) hold its routed tokens ascending, then its
+//    unrouted ones ascending, the first C of them; sorted_indices (C·E,) holds each row's token. What a gradient or
+//    unpermute accepts: tokens in [0, T), each on at most kMaxRowsPerToken rows; a token's rows are summed in
+//    ascending order.
+// routing_map is bool or int8, read as bytes (nonzero: routed). Every refusal is found by a read-only pass before
+// any output is written.
+
+// The permute family's top-k limit (gradops.contract.moe_permute.MAX_TOPK): the most rows one token may gather.
+constexpr int64_t kMaxRowsPerToken = 512;
+
+const uint8_t* map_bytes(const at::Tensor& m, const char* kernel) {
+  TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == at::kChar, "gradops.native: ", kernel,
+              ": routing_map of dtype ", m.scalar_type(), " (bool or int8 expected)");
+  return static_cast<const uint8_t*>(m.const_data_ptr());
+}
+
+// dst's item j = src's item i, bits copied (a probs value moved, not computed; the two share a dtype).
+inline void copy_item(const at::Tensor& src, int64_t i, const at::Tensor& dst, int64_t j) {
+  const int64_t size = dst.element_size();
+  std::memcpy(static_cast<char*>(dst.data_ptr()) + j * size, static_cast<const char*>(src.const_data_ptr()) + i * size,
+              static_cast<size_t>(size));
+}
+
+void zero_all(const at::Tensor& t) {
+  if (t.numel() != 0) std::memset(t.data_ptr(), 0, static_cast<size_t>(t.numel() * t.element_size()));
+}
+
+// Zeroes rows [from, rows) of a (rows, H) tensor (a zero's bits are all zero in the three float dtypes).
+void zero_rows(const at::Tensor& t, int64_t from) {
+  const int64_t rows = t.size(0), bytes = t.size(1) * t.element_size();
+  if (from < rows && bytes != 0) {
+    std::memset(static_cast<char*>(t.data_ptr()) + from * bytes, 0, static_cast<size_t>((rows - from) * bytes));
+  }
+}
+
+// The slots of sorted indices without dropping: ``live`` rows named, or the first position refused (an entry
+// below -1 or outside [0, live), a row named twice, more rows named than A). One pass and a T·K-byte map.
+struct Live {
+  int64_t live = 0;
+  int64_t bad = -1;
+};
+
+Live live_rows(const Entries& idx, int64_t n, int64_t rows_a) {
+  Live out;
+  for (int64_t i = 0; i < n; ++i) out.live += idx[i] >= 0 ? 1 : 0;
+  std::vector<uint8_t> seen(static_cast<size_t>(out.live), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = idx[i];
+    if (v < -1 || v >= out.live || (v >= 0 && seen[v] != 0)) {
+      out.bad = i;
+      return out;
+    }
+    if (v >= 0) seen[v] = 1;
+  }
+  if (out.live > rows_a) out.bad = 0;
+  return out;
+}
+
+// Each token's rows (drop_and_pad: row r holds token idx[r]), ascending, as offsets into one list: the first
+// position refused (a token outside [0, T), a token on more than kMaxRowsPerToken rows) or -1.
+struct TokenRows {
+  std::vector<int64_t> start;  // T + 1 offsets
+  std::vector<int64_t> rows;
+};
+
+int64_t rows_by_token(const Entries& idx, int64_t n, int64_t tokens, TokenRows& out) {
+  out.start.assign(static_cast<size_t>(tokens + 1), 0);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = idx[r];
+    if (t < 0 || t >= tokens) return r;
+    if (++out.start[t + 1] > kMaxRowsPerToken) return r;
+  }
+  for (int64_t t = 0; t < tokens; ++t) out.start[t + 1] += out.start[t];
+  out.rows.resize(static_cast<size_t>(n));
+  std::vector<int64_t> cursor(out.start.begin(), out.start.end() - 1);
+  for (int64_t r = 0; r < n; ++r) out.rows[cursor[idx[r]]++] = r;
+  return -1;
+}
+
+// Token t's k-th routed expert (ascending) for k < K, -1 past its last: one row of the map.
+void experts_by_rank(const uint8_t* map_row, int64_t e_count, int64_t topk, int64_t* out) {
+  int64_t k = 0;
+  for (int64_t e = 0; e < e_count && k < topk; ++e) {
+    if (map_row[e] != 0) out[k++] = e;
+  }
+  for (; k < topk; ++k) out[k] = -1;
+}
+
+// out[t] = sum over token t's rows ``rows[start[t] .. start[t+1])`` (ascending) of w · src[row], in float32, the
+// first row the sum's start; weights from ``weight(t, row)``. A token without rows: a zero row.
+template <class W>
+void token_row_sums(const at::Tensor& src, const TokenRows& by, const W& weight, const at::Tensor& out,
+                    const char* kernel) {
+  const int64_t h = src.size(1), tokens = out.size(0);
+  if (tokens == 0 || h == 0) return;
+  with_float(src.scalar_type(), kernel, [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = src.const_data_ptr<T>();
+    T* y = out.data_ptr<T>();
+    parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
+      std::vector<float> w(static_cast<size_t>(kMaxRowsPerToken));
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t first = by.start[t], nv = by.start[t + 1] - first;
+        for (int64_t c = 0; c < nv; ++c) w[c] = weight(t, by.rows[first + c]);
+        gather_sum<T, true>(x, h, by.rows.data() + first, w.data(), nv, y + t * h);
+      }
+    });
+  });
+}
+
+// out[t] = sum over k < K of w(t, k) · src[idx[t·K + k]] over the slots naming a row (>= 0), k in order.
+template <class W>
+void slot_sums(const at::Tensor& src, const Entries& idx, int64_t topk, const W& weight, const at::Tensor& out,
+               const char* kernel) {
+  const int64_t h = src.size(1), tokens = out.size(0);
+  if (tokens == 0 || h == 0) return;
+  with_float(src.scalar_type(), kernel, [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = src.const_data_ptr<T>();
+    T* y = out.data_ptr<T>();
+    parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
+      std::vector<int64_t> rows(static_cast<size_t>(topk));
+      std::vector<float> w(static_cast<size_t>(topk));
+      for (int64_t t = lo; t < hi; ++t) {
+        int64_t nv = 0;
+        for (int64_t k = 0; k < topk; ++k) {
+          const int64_t r = idx[t * topk + k];
+          if (r >= 0) {
+            rows[nv] = r;
+            w[nv] = weight(t, k);
+            ++nv;
+          }
+        }
+        gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h);
+      }
+    });
+  });
+}
+
+// moe_token_permute_with_routing_map: the rows of each (token, expert) pair, grouped by expert.
+//  in:  tokens (T, H) float; routing_map (T, E) bool / int8; probs (T, E) float or absent.
+//  out: permuted (A, H) in tokens' dtype; permuted_probs (A,) in probs' dtype, or an empty tensor without probs;
+//       sorted_indices (S,) int32 (S = T·K, or C·E with drop_and_pad; A = S).
+//  ints: per (K, or C with drop_and_pad), drop_and_pad.
+//  Returns -1, or (without dropping) the map position of the first token routed to more than K experts.
+// Without dropping, rows [live, A) of permuted and permuted_probs are zeros (CANN leaves them unwritten).
+int64_t moe_token_permute_with_routing_map(const KernelArgs& a) {
+  const char* name = "moe_token_permute_with_routing_map";
+  require_args(a, name, 2, 3, 3, 2);
+  const at::Tensor &tokens = a.in[0], &map = a.in[1], &permuted = a.out[0], &pprobs = a.out[1], &sorted = a.out[2];
+  const at::Tensor probs = a.in.size() > 2 ? a.in[2] : at::Tensor();
+  require_2d(name, {&tokens, &map, &permuted, &probs});
+  const int64_t per = a.ints[0], t_count = tokens.size(0), h = tokens.size(1), e_count = map.size(1);
+  const bool drop = a.ints[1] != 0;
+  const int64_t slots = drop ? per * e_count : per * t_count;
+  TORCH_CHECK(per >= 1 && map.size(0) == t_count && permuted.size(0) == slots && permuted.size(1) == h &&
+                  permuted.scalar_type() == tokens.scalar_type() && sorted.numel() == slots &&
+                  sorted.scalar_type() == at::kInt && (!probs.defined() || (probs.sizes() == map.sizes() &&
+                  pprobs.numel() == slots && pprobs.scalar_type() == probs.scalar_type())) &&
+                  (!drop || per <= t_count) && slots <= std::numeric_limits<int32_t>::max(),
+              "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
+  const uint8_t* m = map_bytes(map, name);
+  int32_t* si = sorted.data_ptr<int32_t>();
+  // token_of[r]: the token each row copies (-1: a zero row).
+  std::vector<int64_t> token_of(static_cast<size_t>(slots), -1);
+  std::vector<int64_t> expert_of(probs.defined() ? static_cast<size_t>(slots) : 0);
+  std::vector<int64_t> count(static_cast<size_t>(e_count), 0);
+  if (drop) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t e = 0; e < e_count; ++e) count[e] += m[t * e_count + e] != 0 ? 1 : 0;
+    }
+    std::vector<int64_t> routed(static_cast<size_t>(e_count), 0), other(static_cast<size_t>(e_count), 0);
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t e = 0; e < e_count; ++e) {
+        const int64_t place = m[t * e_count + e] != 0 ? routed[e]++ : count[e] + other[e]++;
+        if (place < per) {
+          token_of[e * per + place] = t;
+          if (probs.defined()) expert_of[e * per + place] = e;
+        }
+      }
+    }
+    for (int64_t r = 0; r < slots; ++r) si[r] = static_cast<int32_t>(token_of[r]);
+  } else {
+    for (int64_t t = 0; t < t_count; ++t) {
+      int64_t routed = 0;
+      for (int64_t e = 0; e < e_count; ++e) {
+        if (m[t * e_count + e] != 0) {
+          ++count[e];
+          if (++routed > per) return t * e_count + e;
+        }
+      }
+    }
+    std::vector<int64_t> cursor(static_cast<size_t>(e_count), 0);
+    for (int64_t e = 1; e < e_count; ++e) cursor[e] = cursor[e - 1] + count[e - 1];
+    for (int64_t t = 0; t < t_count; ++t) {
+      int64_t k = 0;
+      for (int64_t e = 0; e < e_count; ++e) {
+        if (m[t * e_count + e] == 0) continue;
+        const int64_t r = cursor[e]++;
+        si[t * per + k++] = static_cast<int32_t>(r);
+        token_of[r] = t;
+        if (probs.defined()) expert_of[r] = e;
+      }
+      for (; k < per; ++k) si[t * per + k] = -1;
+    }
+  }
+  const int64_t bytes = h * static_cast<int64_t>(tokens.element_size());
+  const char* src = static_cast<const char*>(tokens.const_data_ptr());
+  char* dst = static_cast<char*>(permuted.data_ptr());
+  parallel(0, slots, rows_grain(slots, h), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      if (bytes == 0) break;
+      if (token_of[r] >= 0) {
+        std::memcpy(dst + r * bytes, src + token_of[r] * bytes, static_cast<size_t>(bytes));
+      } else {
+        std::memset(dst + r * bytes, 0, static_cast<size_t>(bytes));
+      }
+    }
+  });
+  if (probs.defined()) {
+    const int64_t size = pprobs.element_size();
+    char* pp = static_cast<char*>(pprobs.data_ptr());
+    for (int64_t r = 0; r < slots; ++r) {
+      if (token_of[r] >= 0) {
+        copy_item(probs, token_of[r] * e_count + expert_of[r], pprobs, r);
+      } else {
+        std::memset(pp + r * size, 0, static_cast<size_t>(size));
+      }
+    }
+  }
+  return -1;
+}
+
+// moe_token_permute_with_routing_map_grad: each token's gradient (the sum of its rows' gradients) and each row's
+// probs gradient at its (token, expert) pair.
+//  in:  grad (A, H) float; permuted_probs_grad (A,) float or absent; sorted_indices (S,) int32 / int64;
+//       routing_map (T, E) bool / int8 or absent (needed for the probs' gradient without dropping).
+//  out: tokens_grad (T, H) in grad's dtype; probs_grad (T, E) in permuted_probs_grad's dtype, or an empty tensor
+//       without it.
+//  ints: E, T, drop_and_pad.
+//  Returns -1, or the first position of sorted_indices refused (see the layouts above).
+int64_t moe_token_permute_with_routing_map_grad(const KernelArgs& a) {
+  const char* name = "moe_token_permute_with_routing_map_grad";
+  require_args(a, name, 4, 4, 2, 3);
+  const at::Tensor &grad = a.in[0], &gprobs = a.in[1], &idx = a.in[2], &map = a.in[3];
+  const at::Tensor &dtokens = a.out[0], &dprobs = a.out[1];
+  require_2d(name, {&grad, &map, &dtokens});
+  const int64_t e_count = a.ints[0], t_count = a.ints[1], rows_a = grad.size(0), n = idx.numel();
+  const bool drop = a.ints[2] != 0, with_probs = gprobs.defined();
+  TORCH_CHECK(e_count >= 1 && t_count >= 1 && dtokens.size(0) == t_count && dtokens.size(1) == grad.size(1) &&
+                  dtokens.scalar_type() == grad.scalar_type() &&
+                  (drop ? n == rows_a && n % e_count == 0 : n % t_count == 0 && n / t_count >= 1) &&
+                  (!with_probs || (gprobs.numel() == rows_a && dprobs.dim() == 2 && dprobs.size(0) == t_count &&
+                                   dprobs.size(1) == e_count && dprobs.scalar_type() == gprobs.scalar_type() &&
+                                   (drop || (map.defined() && map.size(0) == t_count && map.size(1) == e_count)))),
+              "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
+  const Entries e = entries_of(idx, name);
+  const auto one = [](int64_t, int64_t) { return 1.0f; };
+  if (drop) {
+    TokenRows by;
+    const int64_t bad = rows_by_token(e, n, t_count, by);
+    if (bad >= 0) return bad;
+    token_row_sums(grad, by, one, dtokens, name);
+    if (with_probs) {
+      zero_all(dprobs);
+      const int64_t per = n / e_count;
+      for (int64_t r = 0; r < n; ++r) copy_item(gprobs, r, dprobs, e[r] * e_count + r / per);
+    }
+    return -1;
+  }
+  const int64_t topk = n / t_count;
+  const Live live = live_rows(e, n, rows_a);
+  if (live.bad >= 0) return live.bad;
+  slot_sums(grad, e, topk, one, dtokens, name);
+  if (with_probs) {
+    zero_all(dprobs);
+    const uint8_t* m = map_bytes(map, name);
+    std::vector<int64_t> ranked(static_cast<size_t>(topk));
+    for (int64_t t = 0; t < t_count; ++t) {
+      experts_by_rank(m + t * e_count, e_count, topk, ranked.data());
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t r = e[t * topk + k];
+        if (r >= 0 && ranked[k] >= 0) copy_item(gprobs, r, dprobs, t * e_count + ranked[k]);
+      }
+    }
+  }
+  return -1;
+}
+
+// The weight of each slot of an unpermute (pair): its (token, expert) prob, 0 for a slot naming a row whose token
+// has no k-th routed expert, 1 without probs.
+struct SlotWeights {
+  Items probs;
+  const uint8_t* map = nullptr;
+  int64_t experts = 0, topk = 0;
+  std::vector<int64_t> ranked;  // without dropping: (T, K) experts by rank, -1 past the last
+};
+
+SlotWeights slot_weights(const at::Tensor& probs, const at::Tensor& map, int64_t tokens, int64_t topk,
+                         const char* kernel) {
+  SlotWeights w;
+  w.probs = items_of(probs, kernel);
+  w.topk = topk;
+  if (!probs.defined()) return w;
+  w.experts = probs.size(1);
+  w.map = map_bytes(map, kernel);
+  w.ranked.resize(static_cast<size_t>(tokens * topk));
+  for (int64_t t = 0; t < tokens; ++t) experts_by_rank(w.map + t * w.experts, w.experts, topk, &w.ranked[t * topk]);
+  return w;
+}
+
+// moe_token_unpermute_with_routing_map: out[t] = sum over token t's rows of w · permuted[row] (w: the row's
+// (token, expert) prob, 1 without probs), in float32: without dropping in k order, with drop_and_pad in row order.
+//  in:  permuted (A, H) float; sorted_indices (S,) int32 / int64; probs (T, E) float or absent; routing_map (T, E)
+//       bool / int8 or absent (required with probs without dropping).
+//  out: out (T, H) in permuted's dtype.
+//  ints: drop_and_pad, C (drop_and_pad: rows per expert; 0 where neither probs nor the map says E).
+//  Returns -1, or the first position of sorted_indices refused.
+int64_t moe_token_unpermute_with_routing_map(const KernelArgs& a) {
+  const char* name = "moe_token_unpermute_with_routing_map";
+  require_args(a, name, 4, 4, 1, 2);
+  const at::Tensor &x = a.in[0], &idx = a.in[1], &probs = a.in[2], &map = a.in[3], &out = a.out[0];
+  require_2d(name, {&x, &probs, &map, &out});
+  const bool drop = a.ints[0] != 0;
+  const int64_t per = a.ints[1], t_count = out.size(0), rows_a = x.size(0), n = idx.numel();
+  TORCH_CHECK(t_count >= 1 && out.size(1) == x.size(1) && out.scalar_type() == x.scalar_type() &&
+                  (!probs.defined() || probs.size(0) == t_count) &&
+                  (drop ? n == rows_a && (!probs.defined() || (per >= 1 && per * probs.size(1) == n))
+                        : n % t_count == 0 && (!probs.defined() || (map.defined() && map.sizes() == probs.sizes()))),
+              "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
+  const Entries e = entries_of(idx, name);
+  if (drop) {
+    TokenRows by;
+    const int64_t bad = rows_by_token(e, n, t_count, by);
+    if (bad >= 0) return bad;
+    const Items p = items_of(probs, name);
+    const int64_t experts = probs.defined() ? probs.size(1) : 0;
+    if (probs.defined()) {
+      token_row_sums(x, by, [&](int64_t t, int64_t r) { return p[t * experts + r / per]; }, out, name);
+    } else {
+      token_row_sums(x, by, [](int64_t, int64_t) { return 1.0f; }, out, name);
+    }
+    return -1;
+  }
+  const int64_t topk = n / t_count;
+  const Live live = live_rows(e, n, rows_a);
+  if (live.bad >= 0) return live.bad;
+  const SlotWeights w = slot_weights(probs, map, t_count, topk, name);
+  if (probs.defined()) {
+    slot_sums(x, e, topk, [&](int64_t t, int64_t k) {
+      const int64_t ex = w.ranked[t * topk + k];
+      return ex >= 0 ? w.probs[t * w.experts + ex] : 0.0f;
+    }, out, name);
+  } else {
+    slot_sums(x, e, topk, [](int64_t, int64_t) { return 1.0f; }, out, name);
+  }
+  return -1;
+}
+
+// moe_token_unpermute_with_routing_map_grad: for each row some slot names (token t, weight w as the unpermute's):
+//     grad_permuted[row] = grad_unpermuted[t] · w            (grad_unpermuted[t] in permuted's dtype without probs)
+//     grad_probs[t, expert] = dot(grad_unpermuted[t], permuted[row])   (scatter_and_dot's; with probs only)
+// rows no slot names are zeros, and so is grad_probs where no row has the pair.
+//  in:  permuted (A, H) float; grad_unpermuted (T, H) float; sorted_indices (S,) int32 / int64; probs (T, E) float
+//       or absent; routing_map (T, E) bool / int8 or absent (required with probs without dropping).
+//  out: grad_permuted (A, H) in permuted's dtype; grad_probs (T, E) in probs' dtype, or an empty tensor without.
+//  ints: drop_and_pad, C (as the unpermute's).
+//  Returns -1, or the first position of sorted_indices refused.
+int64_t moe_token_unpermute_with_routing_map_grad(const KernelArgs& a) {
+  const char* name = "moe_token_unpermute_with_routing_map_grad";
+  require_args(a, name, 5, 5, 2, 2);
+  const at::Tensor &x = a.in[0], &g = a.in[1], &idx = a.in[2], &probs = a.in[3], &map = a.in[4];
+  const at::Tensor &dx = a.out[0], &dp = a.out[1];
+  require_2d(name, {&x, &g, &probs, &map, &dx});
+  const bool drop = a.ints[0] != 0, with_probs = probs.defined();
+  const int64_t per = a.ints[1], t_count = g.size(0), rows_a = x.size(0), h = x.size(1), n = idx.numel();
+  TORCH_CHECK(t_count >= 1 && g.size(1) == h && dx.sizes() == x.sizes() && dx.scalar_type() == x.scalar_type() &&
+                  (!with_probs || (probs.size(0) == t_count && dp.sizes() == probs.sizes() &&
+                                   dp.scalar_type() == probs.scalar_type())) &&
+                  (drop ? n == rows_a && (!with_probs || (per >= 1 && per * probs.size(1) == n))
+                        : n % t_count == 0 && (!with_probs || (map.defined() && map.sizes() == probs.sizes()))),
+              "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
+  const Entries e = entries_of(idx, name);
+  // row_token[r] / row_weight[r]: the token (-1: no slot names the row) and weight of each row; row_pair[r]: the
+  // flat (token, expert) of its probs gradient (-1: none).
+  std::vector<int64_t> row_token(static_cast<size_t>(rows_a), -1), row_pair;
+  std::vector<float> row_weight;
+  const int64_t experts = with_probs ? probs.size(1) : 0;
+  if (with_probs) {
+    row_pair.assign(static_cast<size_t>(rows_a), -1);
+    row_weight.assign(static_cast<size_t>(rows_a), 0.0f);
+  }
+  const Items p = items_of(probs, name);
+  if (drop) {
+    TokenRows by;
+    const int64_t bad = rows_by_token(e, n, t_count, by);
+    if (bad >= 0) return bad;
+    for (int64_t r = 0; r < n; ++r) {
+      row_token[r] = e[r];
+      if (with_probs) {
+        row_pair[r] = e[r] * experts + r / per;
+        row_weight[r] = p[row_pair[r]];
+      }
+    }
+  } else {
+    const int64_t topk = n / t_count;
+    const Live live = live_rows(e, n, rows_a);
+    if (live.bad >= 0) return live.bad;
+    const SlotWeights w = slot_weights(probs, map, t_count, topk, name);
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t r = e[s];
+      if (r < 0) continue;
+      const int64_t t = s / topk;
+      row_token[r] = t;
+      if (with_probs) {
+        const int64_t ex = w.ranked[s];
+        row_pair[r] = ex >= 0 ? t * experts + ex : -1;
+        row_weight[r] = ex >= 0 ? p[t * experts + ex] : 0.0f;
+      }
+    }
+  }
+  std::vector<float> dots(with_probs ? static_cast<size_t>(rows_a) : 0);
+  with_float(x.scalar_type(), name, [&](auto xtag) {
+    using TX = decltype(xtag);
+    with_float(g.scalar_type(), name, [&](auto gtag) {
+      using TG = decltype(gtag);
+      const TX* xp = x.const_data_ptr<TX>();
+      const TG* gp = g.const_data_ptr<TG>();
+      TX* dxp = dx.data_ptr<TX>();
+      parallel(0, rows_a, rows_grain(rows_a, h), [&](int64_t lo, int64_t hi) {
+        for (int64_t r = lo; r < hi; ++r) {
+          const int64_t t = row_token[r];
+          if (t < 0) {
+            std::memset(dxp + r * h, 0, static_cast<size_t>(h) * sizeof(TX));
+          } else if (with_probs) {
+            dots[r] = scatter_and_dot(gp + t * h, xp + r * h, dxp + r * h, row_weight[r], h);
+          } else if constexpr (std::is_same_v<TX, TG>) {
+            std::memcpy(dxp + r * h, gp + t * h, static_cast<size_t>(h) * sizeof(TX));
+          } else {
+            convert_row(gp + t * h, dxp + r * h, h);
+          }
+        }
+      });
+    });
+  });
+  if (with_probs) {
+    // In the slot order of the Python tables (token-major, a token's rows ascending), so that a pair two rows name
+    // (possible only in caller-made drop_and_pad indices) keeps the later row's value there too.
+    zero_all(dp);
+    const Items out = items_of(dp, name);
+    if (drop) {
+      for (int64_t r = 0; r < n; ++r) out.store(row_pair[r], dots[r]);
+    } else {
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t r = e[s];
+        if (r >= 0 && row_pair[r] >= 0) out.store(row_pair[r], dots[r]);
+      }
+    }
+  }
+  return -1;
+}
+
 GRADOPS_KERNEL("moe_token_permute", moe_token_permute);
 GRADOPS_KERNEL("moe_token_permute_grad", moe_token_permute_grad);
 GRADOPS_KERNEL("moe_token_unpermute", moe_token_unpermute);
 GRADOPS_KERNEL("moe_token_unpermute_grad", moe_token_unpermute_grad);
+GRADOPS_KERNEL("moe_token_permute_with_routing_map", moe_token_permute_with_routing_map);
+GRADOPS_KERNEL("moe_token_permute_with_routing_map_grad", moe_token_permute_with_routing_map_grad);
+GRADOPS_KERNEL("moe_token_unpermute_with_routing_map", moe_token_unpermute_with_routing_map);
+GRADOPS_KERNEL("moe_token_unpermute_with_routing_map_grad", moe_token_unpermute_with_routing_map_grad);
 
 }  // namespace
 }  // namespace gradops

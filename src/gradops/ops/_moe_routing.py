@@ -27,15 +27,17 @@ def _run(fn, shape, *args):
 
 
 plan_moe_token_permute_with_routing_map = Planner(
-    "moe_token_permute_with_routing_map", contract.check_moe_token_permute_with_routing_map, adapter=_run)
+    "moe_token_permute_with_routing_map", contract.check_moe_token_permute_with_routing_map, adapter=_run,
+    program="moe_token_permute_with_routing_map")
 plan_moe_token_permute_with_routing_map_grad = Planner(
-    "moe_token_permute_with_routing_map_grad", contract.check_moe_token_permute_with_routing_map_grad, adapter=_run)
+    "moe_token_permute_with_routing_map_grad", contract.check_moe_token_permute_with_routing_map_grad, adapter=_run,
+    program="moe_token_permute_with_routing_map_grad")
 plan_moe_token_unpermute_with_routing_map = Planner(
     "moe_token_unpermute_with_routing_map", contract.check_moe_token_unpermute_with_routing_map,
-    adapter=lambda fn, shape, *args: own(fn(*args)))
+    adapter=lambda fn, shape, *args: own(fn(*args)), program="moe_token_unpermute_with_routing_map")
 plan_moe_token_unpermute_with_routing_map_grad = Planner(
     "moe_token_unpermute_with_routing_map_grad", contract.check_moe_token_unpermute_with_routing_map_grad,
-    adapter=_run)
+    adapter=_run, program="moe_token_unpermute_with_routing_map_grad")
 
 
 # What each op returns, declared once: its fake kernel and its out= are made from these (ops/_out.py).
@@ -210,6 +212,8 @@ def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, prob
     """
     args = (tokens, routing_map, probs, num_out_tokens, drop_and_pad)
     if out is not None:
+        if _moe_token_permute_with_routing_map.direct_into(out, *args):  # DirectOp.direct_into
+            return tuple(out)
         written = into("moe_token_permute_with_routing_map", plan_moe_token_permute_with_routing_map, _permute_results,
                        ("tokens", "routing_map", "probs"), args, out, differentiable=(0, 2))
         return written
@@ -241,6 +245,8 @@ def moe_token_permute_with_routing_map_grad(permuted_tokens_grad: Tensor, permut
     args = (permuted_tokens_grad, permuted_probs_grad, sorted_indices, routing_map, num_experts, num_tokens,
             drop_and_pad)
     if out is not None:
+        if _moe_token_permute_with_routing_map_grad.direct_into(out, *args):
+            return tuple(out)
         return into("moe_token_permute_with_routing_map_grad", plan_moe_token_permute_with_routing_map_grad,
                     _permute_grad_results, ("permuted_tokens_grad", "permuted_probs_grad", "sorted_indices",
                                             "routing_map"), args, out)
@@ -272,6 +278,8 @@ def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices
     shape = list(restore_shape) if isinstance(restore_shape, (list, tuple, torch.Size)) else restore_shape  # int[]
     args = (permuted_tokens, sorted_indices, shape, probs, routing_map, drop_and_pad)
     if out is not None:
+        if _moe_token_unpermute_with_routing_map.direct_into(out, *args):
+            return out
         return into("moe_token_unpermute_with_routing_map", plan_moe_token_unpermute_with_routing_map,
                     _unpermute_results, ("permuted_tokens", "sorted_indices", "restore_shape", "probs",
                                          "routing_map"), args, out, differentiable=(0, 3))[0]
@@ -295,6 +303,8 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
     """
     args = (permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map, drop_and_pad)
     if out is not None:
+        if _moe_token_unpermute_with_routing_map_grad.direct_into(out, *args):
+            return tuple(out)
         return into("moe_token_unpermute_with_routing_map_grad", plan_moe_token_unpermute_with_routing_map_grad,
                     _unpermute_grad_results, ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs",
                                               "routing_map"), args, out)
