@@ -8,14 +8,15 @@
 #
 # Parts, each under its own time limit (timeout(1)), so that one that fails or hangs still leaves the others'
 # results: the GPU tier (tests/gpu), gradops check (every op and dtype against float64), gradops bench (vs eager,
-# torch.compile and Liger-Kernel; GB/s and % of copy_), the size sweep, the whole-model row. OUT_DIR gets each
+# torch.compile and Liger-Kernel; GB/s and % of copy_), host µs per call, the size sweep, the whole-model row, the
+# CUDA-graph capture of a patched training step (the last two need transformers). OUT_DIR gets each
 # part's log and results (JSONL, PNG), env.json (device, driver, versions, commit, date), parts.tsv, and
 # summary.json; the summary is printed last. Exit status 1 when any part failed or timed out, 2 on a bad argument.
 #
 # gradops runs from this checkout's src/ (nothing is installed). Liger-Kernel, pytest and pytest's dependencies are
 # taken from third_party/wheels when the machine lacks them (unpacked into a temporary folder on PYTHONPATH).
 # GRADOPS_COMMIT names the commit where this copy of the tree has no .git. PYTHON picks the interpreter.
-# Limits: GPU_CHECK_LIMIT_<PART> (seconds; PART in ENV GPU_TIER CHECK BENCH SWEEP MODELS SUMMARY).
+# Limits: GPU_CHECK_LIMIT_<PART> (seconds; PART in ENV GPU_TIER CHECK BENCH PER_CALL SWEEP MODELS GRAPHS SUMMARY).
 set -uo pipefail
 
 usage() { echo "usage: scripts/gpu_check.sh [--dry-run] OUT_DIR" >&2; exit 2; }
@@ -38,7 +39,8 @@ PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 [ -n "$PYTHON" ] || { echo "scripts/gpu_check.sh: error: no python on PATH (set PYTHON)" >&2; exit 2; }
 cd "$ROOT"
 
-# Worst case (every part at its limit): 100 + 45 + 45 + 120 + 110 + 40 + 15 = 475 s on a GPU, 300 s dry. The dry
+# Worst case (every part at its limit): 60 + 45 + 45 + 95 + 25 + 85 + 40 + 60 + 15 = 470 s on a GPU, 300 s dry
+# (per-call and cuda-graphs measure the device only: skipped there). The dry
 # run's parts take a seventh to a third of their limits on 2 idle cores (8-13 s each), up to 33 s beside the rest
 # of the test command on 2 busy cores, where the summary alone (3 s idle: torch, gradops and the PNGs) ran past
 # a 10 s limit. On an H100 (16 cores) the parts take: the GPU tier ~20 s and check ~20 s (both paying Triton's
@@ -47,18 +49,23 @@ cd "$ROOT"
 # the machine's torch (9 C++ files, ~2 min on 2 cores, 21 s on the GPU machine's 16), so that no later part's
 # `import gradops` builds them inside its own limit; in the dry run they are built already (the test command's
 # set-up).
+# per-call: ~30 cases x 30 rounds x 100 calls of 10-300 µs (~10 s); cuda-graphs: 8 captures of a 4-layer step
+# (seconds each) and one reduce-overhead compile of it (tens of seconds; its row is written last, so a limit reached
+# there keeps the captures).
 if [ "$DRY" = 1 ]; then
-  limits=(40 40 40 60 50 50 20)
+  limits=(40 40 40 60 0 50 50 0 20)
 else
-  limits=(100 45 45 120 110 40 15)
+  limits=(60 45 45 95 25 85 40 60 15)
 fi
 L_ENV=${GPU_CHECK_LIMIT_ENV:-${limits[0]}}
 L_GPU_TIER=${GPU_CHECK_LIMIT_GPU_TIER:-${limits[1]}}
 L_CHECK=${GPU_CHECK_LIMIT_CHECK:-${limits[2]}}
 L_BENCH=${GPU_CHECK_LIMIT_BENCH:-${limits[3]}}
-L_SWEEP=${GPU_CHECK_LIMIT_SWEEP:-${limits[4]}}
-L_MODELS=${GPU_CHECK_LIMIT_MODELS:-${limits[5]}}
-L_SUMMARY=${GPU_CHECK_LIMIT_SUMMARY:-${limits[6]}}
+L_PER_CALL=${GPU_CHECK_LIMIT_PER_CALL:-${limits[4]}}
+L_SWEEP=${GPU_CHECK_LIMIT_SWEEP:-${limits[5]}}
+L_MODELS=${GPU_CHECK_LIMIT_MODELS:-${limits[6]}}
+L_GRAPHS=${GPU_CHECK_LIMIT_GRAPHS:-${limits[7]}}
+L_SUMMARY=${GPU_CHECK_LIMIT_SUMMARY:-${limits[8]}}
 
 # gradops from this tree; what the machine lacks of the vendored pure-Python wheels, unpacked beside it.
 WHEELS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_wheels.XXXXXX")"
@@ -138,7 +145,14 @@ else
     --budget 5 --results "$OUT"
 fi
 
-# 4. the size sweep (modules fwd+bwd, backward functions) and the whole-model row
+# 4. host time per call at 8 x 8: what a step pays per op before the device works (no dry form: it is a time)
+if [ "$DRY" = 1 ]; then
+  skip per-call "a host time on the device; no dry form"
+else
+  part per-call "$L_PER_CALL" "$PYTHON" -m gradops bench --per-call --device cuda --results "$OUT"
+fi
+
+# 5. the size sweep (modules fwd+bwd, backward functions) and the whole-model row
 if [ "$DRY" = 1 ]; then
   part sweep "$L_SWEEP" "$PYTHON" -m gradops bench --sweep --dry-run --device cpu --sizes 8x8 --processes 0 \
     --dtype fp32 --dtype bf16 --results "$OUT"
@@ -155,7 +169,16 @@ else
   skip models "transformers is not installed on this machine"
 fi
 
-# 5. the summary, last: pass / fail per part, the worst ratio per table
+# 6. a patched training step captured in a CUDA graph and replayed (CUDA graphs have no CPU form)
+if [ "$DRY" = 1 ]; then
+  skip cuda-graphs "CUDA graphs need the device; no dry form"
+elif has transformers; then
+  part cuda-graphs "$L_GRAPHS" "$PYTHON" -m gradops bench --cuda-graphs --device cuda --results "$OUT"
+else
+  skip cuda-graphs "transformers is not installed on this machine"
+fi
+
+# 7. the summary, last: pass / fail per part, the worst ratio per table
 timeout -k 5 "$L_SUMMARY" "$PYTHON" -m gradops.bench.gpu_check summary "$OUT"
 rc=$?
 ls "$OUT"

@@ -253,6 +253,8 @@ def test_models_times_patched_against_transformers_and_its_experts_backends(tmp_
 def test_gpu_check_flags_are_refused_where_they_do_not_apply(capsys):
     assert main(["bench", "--per-call", "--dry-run", "--no-save"]) == 2
     assert "--dry-run applies to the table, --sweep and --models" in capsys.readouterr().err
+    assert main(["bench", "--cuda-graphs", "--device", "cpu", "--no-save"]) == 2
+    assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
     assert main(["bench", "--sizes", "8x8", "--no-save"]) == 2
     assert "--sizes applies to --sweep only" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradops.bench import gpu_check
 from gradops.registry import NAMES
@@ -51,7 +52,7 @@ def test_every_part_at_its_limit_still_fits_the_window():
     a rerun), the dry run's to at most 5 (it runs inside the test command)."""
     arrays = re.findall(r"limits=\(([\d ]+)\)", SCRIPT.read_text())
     dry, gpu = ([int(x) for x in a.split()] for a in arrays)
-    assert len(dry) == len(gpu) == 7
+    assert len(dry) == len(gpu) == 9
     assert sum(dry) <= 300 and sum(gpu) <= 480, (sum(dry), sum(gpu))
 
 
@@ -99,7 +100,8 @@ def _run_dir(tmp_path: Path, parts: dict[str, str], dry: bool = False) -> Path:
 
 
 def test_summary_fails_a_part_that_failed_timed_out_or_wrote_nothing(tmp_path, capsys):
-    _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "124", "sweep": "1", "models": "skip"})
+    _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "124", "sweep": "1", "models": "skip",
+                        "per-call": "skip", "cuda-graphs": "skip"})
     assert gpu_check.summarize(tmp_path) == 1
     out = capsys.readouterr().out
     assert "bench     TIMEOUT" in out and "sweep     FAIL" in out and "models    SKIP" in out
@@ -108,7 +110,8 @@ def test_summary_fails_a_part_that_failed_timed_out_or_wrote_nothing(tmp_path, c
 
 
 def test_summary_passes_when_every_part_passed_or_was_skipped(tmp_path, capsys):
-    _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "0", "sweep": "0", "models": "skip"})
+    _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "0", "sweep": "0", "models": "skip",
+                          "per-call": "skip", "cuda-graphs": "skip"})
     for name, rec in (("cuda-2026-01-01.jsonl", {"provider": "gradops", "op": "rms_norm_grad", "dtype": "bf16",
                                         "speedup": {"eager": 1.5, "liger": 0.9}, "pct_copy": 80.0, "gbps": 2600.0}),
                       ("sweep-cuda-2026-01-01.jsonl", {"module": "RMSNorm", "rows": 8, "cols": 8, "dtype": "bf16",
@@ -121,7 +124,8 @@ def test_summary_passes_when_every_part_passed_or_was_skipped(tmp_path, capsys):
 
 
 def test_summary_fails_a_gpu_tier_that_ran_nothing_and_dry_records_with_times(tmp_path, capsys):
-    run = _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "0", "sweep": "0", "models": "skip"})
+    run = _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "0", "sweep": "0", "models": "skip",
+                          "per-call": "skip", "cuda-graphs": "skip"})
     (run / "gpu-tier.xml").write_text('<testsuite tests="2" failures="0" errors="0" skipped="2"/>')
     (run / "cuda-2026-01-01.jsonl").write_text(json.dumps({"provider": "gradops", "op": "x", "dtype": "bf16"}) + "\n")
     sweep = {"module": "RMSNorm", "dtype": "bf16", "ratio": 1}
@@ -139,3 +143,53 @@ def test_script_refuses_a_bad_argument_in_one_line():
     assert done.returncode == 2 and "unknown option --frobnicate" in done.stderr
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("usage:")
+
+
+def test_summary_reports_host_time_and_fails_a_capture_that_does_not_replay(tmp_path, capsys):
+    """The per-call part's worst host-time ratio, and the CUDA-graph part: a gradops row that does not replay fails
+    it (the transformers control rows are reported by the part's own log only)."""
+    _run_dir(tmp_path, {"gpu-tier": "0", "check": "0", "bench": "skip", "per-call": "0", "sweep": "skip",
+                        "models": "skip", "cuda-graphs": "1"})
+    calls = [{"function": "rms_norm_grad", "gradops_us": 12.0, "aten_us": 6.0},
+             {"function": "hardswish", "gradops_us": 30.0, "aten_us": 20.0}]
+    (tmp_path / "per-call-cuda-2026-01-01.jsonl").write_text("".join(json.dumps(r) + "\n" for r in calls))
+    graphs = [{"side": "gradops", "model": "llama", "dtype": "bf16", "mode": "cuda.graph", "replays": False,
+               "error": "RuntimeError: CUDA error: operation not permitted when stream is capturing"},
+              {"side": "transformers", "model": "llama", "dtype": "bf16", "mode": "cuda.graph", "replays": True}]
+    (tmp_path / "cuda-graphs-2026-01-01.jsonl").write_text("".join(json.dumps(r) + "\n" for r in graphs))
+    assert gpu_check.summarize(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "worst gradops / ATen host time 2.00x (rms_norm_grad: 12.0 vs 6.0 µs); slowest call hardswish 30.0" in out
+    assert "0 of 1 gradops captures replay to the eager step" in out
+    assert "FAIL llama bf16 cuda.graph: RuntimeError: CUDA error: operation not permitted" in out
+    assert out.rstrip().splitlines()[-1] == "result: FAIL (cuda-graphs)"
+
+
+def test_cuda_graph_rows_put_the_slow_compile_last():
+    from gradops.bench import graphs
+
+    rows = graphs.cases(["bf16", "fp32"])
+    assert [r[2] for r in rows].count("reduce-overhead") == 1 and rows[-1] == ("llama", "bf16", "reduce-overhead",
+                                                                                True)
+    assert {(r[0], r[1], r[3]) for r in rows[:-1]} == {(m, d, p) for m in ("llama", "qwen3_moe")
+                                                       for d in ("bf16", "fp32") for p in (True, False)}
+
+
+def test_cuda_graph_check_compares_with_the_eager_step_and_keeps_a_failed_capture(monkeypatch):
+    """The check's plumbing on the CPU (the capture itself needs CUDA): a mode that reruns the eager step replays
+    bit for bit; a mode that raises gives the error's first line, not the run's end."""
+    pytest.importorskip("transformers")
+    from gradops.bench import graphs, models
+
+    monkeypatch.setattr(graphs, "MODELS", models.DRY_MODELS)
+    monkeypatch.setattr(graphs, "TOKENS", (1, 8))
+
+    def refuse(model, ids):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(graphs, "MODES", {"again": graphs._eager, "refused": refuse})
+    cpu = torch.device("cpu")
+    got = graphs.check_one("llama", torch.float32, "again", True, cpu)
+    assert got["replays"] and got["bitwise"] and got["max_abs_diff"] == 0.0
+    got = graphs.check_one("llama", torch.float32, "refused", True, cpu)
+    assert got == {"replays": False, "error": "RuntimeError: operation not permitted when stream is capturing"}

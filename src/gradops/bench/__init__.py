@@ -83,13 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cost", action="store_true",
                         help="measure the CPU kernels' first-call cost, cold (built) and cached, and exit")
     parser.add_argument("--per-call", action="store_true",
-                        help="measure every public function's per-call cost at 8 x 8 fp32 against ATen, and exit")
+                        help="measure every public function's per-call cost at 8 x 8 fp32 against ATen (on cuda: host "
+                             "time per call), and exit")
     parser.add_argument("--sweep", action="store_true",
                         help="time every gradops.nn module against torch.nn (forward + backward) and every "
                         "backward function against its eager twin, from 8 x 8 to 4096 x 1024, and exit")
     parser.add_argument("--models", action="store_true",
                         help="whole Hugging Face transformers models (Llama, Qwen3-MoE), patched vs unpatched vs "
                              "transformers' experts backends, forward + backward (needs transformers >= 5.23)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="capture a patched model's training step (Llama, Qwen3-MoE) with torch.cuda.graph and "
+                             "torch.compile(mode=\"reduce-overhead\"), replay it and compare with the eager step "
+                             "(needs CUDA and transformers), and exit")
     parser.add_argument("--sweep-compile", action="store_true",
                         help="with --sweep: also torch.compile(torch module) (dynamic shapes) and of each function's "
                         "pure-torch reference")
@@ -145,7 +150,8 @@ def _sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 def _mode(args: argparse.Namespace) -> str:
     """Which of the exclusive modes runs (the first flag given, in this order), ``table`` for the main one."""
-    return next((m for m in ("compile_cost", "per_call", "models", "sweep") if getattr(args, m)), "table")
+    return next((m for m in ("compile_cost", "per_call", "cuda_graphs", "models", "sweep") if getattr(args, m)),
+                "table")
 
 
 def _check_request(args: argparse.Namespace) -> None:
@@ -157,7 +163,9 @@ def _check_request(args: argparse.Namespace) -> None:
     mode = _mode(args)
     if mode == "table" and os.environ.get("TRITON_INTERPRET") == "1" and not args.dry_run:
         raise CommandError("TRITON_INTERPRET=1 would time the interpreter; unset it (or --dry-run: no times)")
-    if args.dry_run and mode in ("compile_cost", "per_call"):
+    if mode == "cuda_graphs" and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cuda":
+        raise CommandError("--cuda-graphs needs a CUDA device (CUDA graphs have no CPU form)")
+    if args.dry_run and mode in ("compile_cost", "per_call", "cuda_graphs"):
         raise CommandError(f"--dry-run applies to the table, --sweep and --models, not --{mode.replace('_', '-')}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda, but torch sees no CUDA device (use --device cpu)")
@@ -166,10 +174,11 @@ def _check_request(args: argparse.Namespace) -> None:
 
     # A GRADOPS_BACKEND that cannot run here (triton without a GPU) fails every mode: say so before the first case.
     decide(PROBE, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    if mode in ("models", "sweep") and args.dtype:
-        timed = importlib.import_module(f"{__name__}.{mode}").DTYPES
+    if mode in ("models", "sweep", "cuda_graphs") and args.dtype:
+        timed = importlib.import_module(f"{__name__}.{'models' if mode == 'cuda_graphs' else mode}").DTYPES
         if any(d not in timed for d in args.dtype):
-            raise CommandError(f"--dtype {', '.join(d for d in args.dtype if d not in timed)}: --{mode} times "
+            flag = mode.replace("_", "-")
+            raise CommandError(f"--dtype {', '.join(d for d in args.dtype if d not in timed)}: --{flag} times "
                                f"{' and '.join(timed)} only")
     for flag, given in (("--sweep-compile", args.sweep_compile), ("--malloc", args.malloc is not None),
                         ("--processes", args.processes is not None), ("--sizes", args.sizes is not None)):
@@ -189,10 +198,15 @@ def run(args: argparse.Namespace) -> int:
         return measure()
     if args.per_call:
         from .per_call import measure as per_call
-        return per_call(None if args.no_save else args.results)
+        return per_call(None if args.no_save else args.results, torch.device(args.device or "cpu"))
     dry = args.dry_run
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     results = None if args.no_save else args.results
+    if args.cuda_graphs:
+        from . import graphs
+
+        return graphs.run(device, list(dict.fromkeys(args.dtype)) if args.dtype else None, results,
+                          environment(device))
     if args.models:
         from . import models
 

@@ -6,10 +6,10 @@ torch / triton versions, gradops' commit and the date (:mod:`gradops.bench.prove
 
 ``python -m gradops.bench.gpu_check summary OUT`` reads what the parts left in ``OUT`` (``parts.tsv``: one line per
 part, ``name  exit-status  seconds  limit  [reason]``, written by the script; the GPU tier's JUnit XML; the JSONL of
-``gradops check``, ``bench``, ``bench --sweep`` and ``bench --models``), prints one screen - pass / fail / timeout
-/ skip per part, the worst ratio of each table - writes it to ``OUT/summary.json`` and exits 1 when a part failed
-or ran out of time. A part that left no results of its own fails even with exit status 0; a dry run's
-records must all say ``dry_run`` and carry no times.
+``gradops check``, ``bench``, ``bench --per-call``, ``bench --sweep``, ``bench --models`` and ``bench
+--cuda-graphs``), prints one screen - pass / fail / timeout / skip per part, the worst ratio of each table - writes
+it to ``OUT/summary.json`` and exits 1 when a part failed or ran out of time. A part that left no results of its
+own fails even with exit status 0; a dry run's records must all say ``dry_run`` and carry no times.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ PARTS = {
     "gpu-tier": "pytest tests/gpu (large shapes, > 2^31 elements, bit-for-bit repeats, no host sync)",
     "check": "gradops check: every op and dtype against the float64 reference",
     "bench": "gradops bench: backward ops vs eager, torch.compile, Liger-Kernel; GB/s and % of copy_",
+    "per-call": "gradops bench --per-call: host µs per call of every public function at 8x8 vs ATen",
     "sweep": "gradops bench --sweep: modules fwd+bwd and backward functions vs torch, 8x8 to 4096x1024",
     "models": "gradops bench --models: Llama and Qwen3-MoE training steps, patched vs transformers",
+    "cuda-graphs": "gradops bench --cuda-graphs: a patched training step captured in a CUDA graph, replayed",
 }
 #: Exit statuses of timeout(1): the limit was reached (124), or the command ignored the TERM and was killed (137).
 TIMED_OUT = {124, 137}
@@ -122,8 +124,8 @@ def _verdicts(out: Path, dry: bool) -> dict[str, dict]:
     elif v["status"] == "PASS":
         v.update(status="FAIL", detail="no gpu-tier.xml")
 
-    tables = {"check": "check-*.jsonl", "bench": "[a-z]*-[0-9]*.jsonl", "sweep": "sweep-*.jsonl",
-              "models": "models-*.jsonl"}
+    tables = {"check": "check-*.jsonl", "bench": "[a-z]*-[0-9]*.jsonl", "per-call": "per-call-cuda-*.jsonl",
+              "sweep": "sweep-*.jsonl", "models": "models-*.jsonl", "cuda-graphs": "cuda-graphs-*.jsonl"}
     records = {name: _records(out, pattern) for name, pattern in tables.items()}
     records["bench"] = [r for r in records["bench"] if "provider" in r]  # cpu-/cuda-<date>.jsonl only
     for name, rows in records.items():
@@ -178,6 +180,20 @@ def _worst(verdicts: dict[str, dict], records: dict[str, list[dict]], dry: bool)
             lines.append(f"lowest share of copy_ bandwidth {r['pct_copy']:.0f}% ({r['op']} {_shape(r)} {r['dtype']}, "
                          f"{r['gbps']:.0f} GB/s)")
         verdicts["bench"]["worst"] = lines
+    calls = [r for r in records["per-call"] if r.get("aten_us")]
+    if calls:
+        r = max(calls, key=lambda r: r["gradops_us"] / r["aten_us"])
+        slowest = max(records["per-call"], key=lambda r: r["gradops_us"])
+        verdicts["per-call"]["worst"] = [
+            f"worst gradops / ATen host time {r['gradops_us'] / r['aten_us']:.2f}x ({r['function']}: "
+            f"{r['gradops_us']:.1f} vs {r['aten_us']:.1f} µs); slowest call {slowest['function']} "
+            f"{slowest['gradops_us']:.1f} µs"]
+    graphs = [r for r in records["cuda-graphs"] if r.get("side") == "gradops"]
+    if graphs:
+        lines = [f"{sum(r['replays'] for r in graphs)} of {len(graphs)} gradops captures replay to the eager step"]
+        lines += [f"FAIL {r['model']} {r['dtype']} {r['mode']}: {r.get('error') or 'differs'}"
+                  for r in graphs if not r["replays"]][:4]
+        verdicts["cuda-graphs"]["worst"] = lines
     for name, key, label in (("sweep", "ratio", "gradops / torch"), ("models", "ratio", "gradops / transformers")):
         rows = [r for r in records[name] if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         if rows:
