@@ -126,33 +126,6 @@ inline void store8(c10::Half* p, F8 v) {
 #endif
 }
 
-// store8 of float32 bypassing the caches (a non-temporal store: the line is not read before it is written), for
-// outputs too large to stay cached for their consumer; p 32-byte aligned. The writer fences (stream_fence) before
-// its results are read. float32 only: the half dtypes' kernels are bound by their conversions, not by memory, and
-// 16-byte streams ran 2-7% slower than stores there (8192 x 4096 bf16 LayerNorm backward).
-#if defined(__AVX2__)
-constexpr bool kCanStream = true;
-inline void stream8(float* p, F8 v) { _mm256_stream_ps(p, bits_as<__m256>(v)); }
-inline void stream_fence() { _mm_sfence(); }
-#else
-constexpr bool kCanStream = false;
-inline void stream8(float* p, F8 v) { store8(p, v); }
-inline void stream_fence() {}
-#endif
-
-// Output bytes from which a float32 result is streamed: past L3 (32 MiB on the machines gradops is measured on), the
-// result cannot stay cached for its consumer anyway, and an ordinary store first reads each line it writes (a
-// third stream of traffic beside the reads and the write). 8192 x 4096 fp32 LayerNorm backward, interleaved with
-// copy_ (which glibc's memcpy streams at that size): 85-90% of copy_'s bandwidth -> 92-104%.
-constexpr int64_t kStreamBytes = int64_t{32} << 20;
-
-// Whether a rows x n result at p is streamed: float32, large enough, and every row's 8-element groups aligned.
-template <class T>
-bool streams(const T* p, int64_t rows, int64_t n) {
-  return kCanStream && std::is_same_v<T, float> && rows * n * 4 >= kStreamBytes &&
-         reinterpret_cast<uintptr_t>(p) % 32 == 0 && n % 8 == 0;
-}
-
 // a·b + c with one rounding per lane (vfmadd where the target has it; std::fma, the same bits, elsewhere).
 inline F8 fma8(F8 a, F8 b, F8 c) {
 #if defined(__FMA__)

@@ -286,7 +286,17 @@ GRADOPS_RMS_INLINE float row_coef(const T* dy, const T* x, const G* g, float s, 
 // rows), then dx and partial[j] += dy0*xh0 + dy1*xh1 + dy2*xh2 + dy3*xh3 (a second pass, from L2: four rows of 4096
 // float32 dy and x are 128 KiB), one load and store of the partial per four rows (numba's version of this loop
 // measured 72% -> 89% of copy_'s bandwidth at 8192 x 4096 float32 against one row per update).
-template <class T, class G>
+// dx's 8 columns at p: streamed past the caches (kStream, float32 only: see kernels.h), else stored.
+template <bool kStream, class T>
+GRADOPS_RMS_INLINE void put8(F8 v, T* p) {
+  if constexpr (kStream && std::is_same_v<T, float>) {
+    stream8(p, v);
+  } else {
+    store8(v, p);
+  }
+}
+
+template <bool kStream, class T, class G>
 void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g, T* dx, float* part, int64_t m,
                          int64_t n, int64_t blocks, int64_t b) {
   const int64_t per = (m + blocks - 1) / blocks;
@@ -306,10 +316,10 @@ void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g,
       const F8 gj = load8(g + j);
       const F8 e0 = load8(d0 + j), e1 = load8(d1 + j), e2 = load8(d2 + j), e3 = load8(d3 + j);
       const F8 h0 = load8(x0 + j) * s0, h1 = load8(x1 + j) * s1, h2 = load8(x2 + j) * s2, h3 = load8(x3 + j) * s3;
-      store8((e0 * gj - h0 * c0) * s0, o0 + j);
-      store8((e1 * gj - h1 * c1) * s1, o1 + j);
-      store8((e2 * gj - h2 * c2) * s2, o2 + j);
-      store8((e3 * gj - h3 * c3) * s3, o3 + j);
+      put8<kStream>((e0 * gj - h0 * c0) * s0, o0 + j);
+      put8<kStream>((e1 * gj - h1 * c1) * s1, o1 + j);
+      put8<kStream>((e2 * gj - h2 * c2) * s2, o2 + j);
+      put8<kStream>((e3 * gj - h3 * c3) * s3, o3 + j);
       store8(load8(part + j) + (e0 * h0 + e1 * h1 + e2 * h2 + e3 * h3), part + j);
     }
     for (; j < n; ++j) {
@@ -332,7 +342,7 @@ void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g,
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
       const F8 e = load8(d + j), h = load8(xr + j) * s;
-      store8((e * load8(g + j) - h * c) * s, o + j);
+      put8<kStream>((e * load8(g + j) - h * c) * s, o + j);
       store8(load8(part + j) + e * h, part + j);
     }
     for (; j < n; ++j) {
@@ -395,8 +405,16 @@ int64_t rms_norm_grad_kernel(const KernelArgs& a) {
       const float* rs = rstd.data_ptr<float>();
       // Blocks, not rows, are the parallel items: a block's partial is its own, so the split changes no bits.
       const int64_t grain = m * n < kParallelMin ? blocks : 1;
+      const bool stream = streams(dxp, m, n);
       parallel(0, blocks, grain, [&](int64_t lo, int64_t hi) {
-        for (int64_t b = lo; b < hi; ++b) rms_norm_grad_block<T, G>(dyp, xp, rs, g, dxp, part + b * n, m, n, blocks, b);
+        for (int64_t b = lo; b < hi; ++b) {
+          if (stream) {
+            rms_norm_grad_block<true, T, G>(dyp, xp, rs, g, dxp, part + b * n, m, n, blocks, b);
+          } else {
+            rms_norm_grad_block<false, T, G>(dyp, xp, rs, g, dxp, part + b * n, m, n, blocks, b);
+          }
+        }
+        if (stream) stream_fence();  // this task's streamed rows are visible before the call returns
       });
     });
   });
