@@ -379,7 +379,8 @@ inline void sum_pass(float* acc, const T* src, int64_t h, int64_t j0, int64_t n,
 // c order: the first term is the sum's start, each later one added to it; eight rows per pass while eight remain,
 // then two, then one (the order is the same whatever the grouping). nv = 0: a zero row.
 template <class T, bool kWeighted>
-void gather_sum(const T* src, int64_t h, const int64_t* rows, const float* w, int64_t nv, T* dst) {
+void gather_sum(const T* src, int64_t h, const int64_t* rows, const float* w, int64_t nv, T* dst,
+                bool stream = false) {
   if (nv == 0) {
     for (int64_t j = 0; j < h; ++j) dst[j] = from_f32<T>(0.0f);
     return;
@@ -406,6 +407,16 @@ void gather_sum(const T* src, int64_t h, const int64_t* rows, const float* w, in
     } else if constexpr (kIsBFloat16<T>) {
       narrow_bf16(acc, n, dst + j0);
 #endif
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (stream) {  // dst 32-byte aligned, h % 8 == 0 (streams() in the caller)
+        for (int64_t j = 0; j < n; j += 8) {
+          float v[8];
+          std::memcpy(v, acc + j, sizeof v);
+          stream8(dst + j0 + j, v);
+        }
+      } else {
+        std::memcpy(dst + j0, acc, static_cast<size_t>(n) * sizeof(float));
+      }
     } else {
       T* d = dst + j0;
       for (int64_t j = 0; j < n; ++j) d[j] = from_f32<T>(acc[j]);
@@ -427,6 +438,7 @@ void token_sums(const at::Tensor& src, const Entries& idx, const at::Tensor& pro
     using T = decltype(tag);
     const T* x = src.const_data_ptr<T>();
     T* y = out.data_ptr<T>();
+    const bool stream = streams(y, tokens, h);
     parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
       std::vector<int64_t> rows(static_cast<size_t>(topk));
       std::vector<float> w(static_cast<size_t>(topk));
@@ -441,11 +453,12 @@ void token_sums(const at::Tensor& src, const Entries& idx, const at::Tensor& pro
           }
         }
         if (weighted) {
-          gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h);
+          gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
         } else {
-          gather_sum<T, false>(x, h, rows.data(), w.data(), nv, y + t * h);
+          gather_sum<T, false>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
         }
       }
+      if (stream) stream_fence();
     });
   });
 }
@@ -640,12 +653,48 @@ inline void scatter_dot_tile_bf16(const c10::BFloat16* __restrict__ g, const c10
 }
 #endif
 
+#if defined(__AVX2__)
+// scatter_dot_tile for float32 g, x and dx with explicit 8-lane vectors, so that dx can be streamed past the caches
+// (stream: see kernels.h; dx 32-byte aligned): lanes 0-7 and 8-15 of a step are two vectors, the same products and
+// additions in the same order as the scalar loop.
+inline void scatter_dot_tile_f32(const float* __restrict__ g, const float* __restrict__ x, float* __restrict__ dx,
+                                 float w, int64_t n, float* __restrict__ lanes, bool stream) {
+  const int64_t full = n - n % kLanes;
+  const __m256 wv = _mm256_set1_ps(w);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < full; j0 += kLanes) {
+    const __m256 g0 = _mm256_loadu_ps(g + j0), g1 = _mm256_loadu_ps(g + j0 + 8);
+    const __m256 d0 = _mm256_mul_ps(g0, wv), d1 = _mm256_mul_ps(g1, wv);
+    if (stream) {
+      _mm256_stream_ps(dx + j0, d0);
+      _mm256_stream_ps(dx + j0 + 8, d1);
+    } else {
+      _mm256_storeu_ps(dx + j0, d0);
+      _mm256_storeu_ps(dx + j0 + 8, d1);
+    }
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(g0, _mm256_loadu_ps(x + j0)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(g1, _mm256_loadu_ps(x + j0 + 8)));
+  }
+  float l[8], h[8];
+  _mm256_storeu_ps(l, lo);
+  _mm256_storeu_ps(h, hi);
+  for (int q = 0; q < 8; ++q) {
+    lanes[q] += l[q];
+    lanes[q + 8] += h[q];
+  }
+  for (int64_t j = full; j < n; ++j) {
+    dx[j] = g[j] * w;
+    lanes[j - full] += g[j] * x[j];
+  }
+}
+#endif
+
 // dx[j] = g[j] · w (float32 product, rounded once to dx's dtype); returns sum_j g[j] · x[j]: each tile's products in
 // the lane order of kLanes, folded, and the tiles' sums added in float64 (in-order float32 lanes lose accuracy with
 // H; a tile's float32 sum keeps the error of a kTile-element sum at every H, and H <= kTile gives the lanes' bits).
 // One pass over g, x and dx, tile by tile.
 template <class TX, class TG>
-float scatter_and_dot(const TG* g, const TX* x, TX* dx, float w, int64_t h) {
+float scatter_and_dot(const TG* g, const TX* x, TX* dx, float w, int64_t h, bool stream = false) {
   float gbuf[kIsHalf<TG> ? kTile : 1], xbuf[kIsHalf<TX> ? kTile : 1], dbuf[kIsHalf<TX> ? kTile : 1];
   double total = 0.0;
   for (int64_t j0 = 0; j0 < h; j0 += kTile) {
@@ -654,6 +703,8 @@ float scatter_and_dot(const TG* g, const TX* x, TX* dx, float w, int64_t h) {
 #if defined(__AVX2__)
     if constexpr (kIsBFloat16<TX> && kIsBFloat16<TG>) {
       scatter_dot_tile_bf16(g + j0, x + j0, dx + j0, w, n, lanes);
+    } else if constexpr (std::is_same_v<TX, float> && std::is_same_v<TG, float>) {
+      scatter_dot_tile_f32(g + j0, x + j0, dx + j0, w, n, lanes, stream);
     } else {
       scatter_dot_tile(tile_in(g + j0, n, gbuf), tile_in(x + j0, n, xbuf), tile_out(dx + j0, dbuf), w, n, lanes);
     }
@@ -725,6 +776,7 @@ int64_t moe_token_unpermute_grad(const KernelArgs& a) {
       const TX* xp = x.const_data_ptr<TX>();
       const TG* gp = g.const_data_ptr<TG>();
       TX* dxp = dx.data_ptr<TX>();
+      const bool stream = streams(dxp, rows_a, h);
       parallel(0, tokens, rows_grain(tokens, topk * h), [&](int64_t lo, int64_t hi) {
         for (int64_t t = lo; t < hi; ++t) {
           const TG* gt = gp + t * h;
@@ -733,12 +785,13 @@ int64_t moe_token_unpermute_grad(const KernelArgs& a) {
             const bool present = r >= 0 && r < rows_a;
             if (has_probs) {
               const int64_t i = t * topk + k;
-              dpi.store(i, present ? scatter_and_dot(gt, xp + r * h, dxp + r * h, p[i], h) : 0.0f);
+              dpi.store(i, present ? scatter_and_dot(gt, xp + r * h, dxp + r * h, p[i], h, stream) : 0.0f);
             } else if (present) {
               convert_row(gt, dxp + r * h, h);
             }
           }
         }
+        if (stream) stream_fence();
       });
     });
   });
@@ -857,13 +910,15 @@ void token_row_sums(const at::Tensor& src, const TokenRows& by, const W& weight,
     using T = decltype(tag);
     const T* x = src.const_data_ptr<T>();
     T* y = out.data_ptr<T>();
+    const bool stream = streams(y, tokens, h);
     parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
       std::vector<float> w(static_cast<size_t>(kMaxRowsPerToken));
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t first = by.start[t], nv = by.start[t + 1] - first;
         for (int64_t c = 0; c < nv; ++c) w[c] = weight(t, by.rows[first + c]);
-        gather_sum<T, true>(x, h, by.rows.data() + first, w.data(), nv, y + t * h);
+        gather_sum<T, true>(x, h, by.rows.data() + first, w.data(), nv, y + t * h, stream);
       }
+      if (stream) stream_fence();
     });
   });
 }
@@ -878,6 +933,7 @@ void slot_sums(const at::Tensor& src, const Entries& idx, int64_t topk, const W&
     using T = decltype(tag);
     const T* x = src.const_data_ptr<T>();
     T* y = out.data_ptr<T>();
+    const bool stream = streams(y, tokens, h);
     parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
       std::vector<int64_t> rows(static_cast<size_t>(topk));
       std::vector<float> w(static_cast<size_t>(topk));
@@ -891,8 +947,9 @@ void slot_sums(const at::Tensor& src, const Entries& idx, int64_t topk, const W&
             ++nv;
           }
         }
-        gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h);
+        gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
       }
+      if (stream) stream_fence();
     });
   });
 }
@@ -1187,19 +1244,21 @@ int64_t moe_token_unpermute_with_routing_map_grad(const KernelArgs& a) {
       const TX* xp = x.const_data_ptr<TX>();
       const TG* gp = g.const_data_ptr<TG>();
       TX* dxp = dx.data_ptr<TX>();
+      const bool stream = streams(dxp, rows_a, h);
       parallel(0, rows_a, rows_grain(rows_a, h), [&](int64_t lo, int64_t hi) {
         for (int64_t r = lo; r < hi; ++r) {
           const int64_t t = row_token[r];
           if (t < 0) {
             std::memset(dxp + r * h, 0, static_cast<size_t>(h) * sizeof(TX));
           } else if (with_probs) {
-            dots[r] = scatter_and_dot(gp + t * h, xp + r * h, dxp + r * h, row_weight[r], h);
+            dots[r] = scatter_and_dot(gp + t * h, xp + r * h, dxp + r * h, row_weight[r], h, stream);
           } else if constexpr (std::is_same_v<TX, TG>) {
             std::memcpy(dxp + r * h, gp + t * h, static_cast<size_t>(h) * sizeof(TX));
           } else {
             convert_row(gp + t * h, dxp + r * h, h);
           }
         }
+        if (stream) stream_fence();
       });
     });
   });
