@@ -427,7 +427,7 @@ inline void over_tiles(const T* x, const T* dy, const float* gamma, int64_t n, c
 }
 
 // pd_x and res_for_gamma of one row of n > 0 elements (outputs apart from the inputs, as forward_row's).
-template <class T>
+template <bool kStream, class T>
 void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ gamma, float mu, float s,
               int64_t n, T* __restrict__ pdx, T* __restrict__ res) {
   const float inv_n = 1.0f / static_cast<float>(n);
@@ -451,10 +451,17 @@ void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __
     const F8 xmu0 = load8(x + j) - mu, xmu1 = load8(x + j + 8) - mu;
     const F8 p0 = load8(dy + j) * load8(gamma + j) * s + a * xmu0 + b;
     const F8 p1 = load8(dy + j + 8) * load8(gamma + j + 8) * s + a * xmu1 + b;
-    store8(pdx + j, p0);
-    store8(pdx + j + 8, p1);
-    store8(res + j, xmu0 * s);
-    store8(res + j + 8, xmu1 * s);
+    if constexpr (kStream && std::is_same_v<T, float>) {  // both results past the caches (kernels.h: streams)
+      stream8(pdx + j, p0);
+      stream8(pdx + j + 8, p1);
+      stream8(res + j, xmu0 * s);
+      stream8(res + j + 8, xmu1 * s);
+    } else {
+      store8(pdx + j, p0);
+      store8(pdx + j + 8, p1);
+      store8(res + j, xmu0 * s);
+      store8(res + j + 8, xmu1 * s);
+    }
   }
   for (; j + 8 <= n; j += 8) {
     const F8 xmu = load8(x + j) - mu;
@@ -507,11 +514,17 @@ int64_t layer_norm_grad_kernel(const KernelArgs& a) {
     const T* xs = reinterpret_cast<const T*>(x.data_ptr());
     T* pdxs = reinterpret_cast<T*>(pdx.data_ptr());
     T* ress = reinterpret_cast<T*>(res.data_ptr());
+    const bool stream = streams(pdxs, m, n) && streams(ress, m, n);
     parallel(0, m, rows_grain(m, n), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         const float s = 1.0f / std::sqrt(var[r] + eps32);
-        grad_row(dys + r * n, xs + r * n, g, mean[r], s, n, pdxs + r * n, ress + r * n);
+        if (stream) {
+          grad_row<true>(dys + r * n, xs + r * n, g, mean[r], s, n, pdxs + r * n, ress + r * n);
+        } else {
+          grad_row<false>(dys + r * n, xs + r * n, g, mean[r], s, n, pdxs + r * n, ress + r * n);
+        }
       }
+      if (stream) stream_fence();
     });
   });
   return -1;
@@ -753,7 +766,8 @@ int64_t layer_norm_backward_kernel(const KernelArgs& a) {
     const T* dys = reinterpret_cast<const T*>(dy.data_ptr());
     const T* xs = reinterpret_cast<const T*>(x.data_ptr());
     T* dxs = reinterpret_cast<T*>(dx.data_ptr());
-    const bool stream = streams(dxs, m, n);
+    // Not in place: a streamed half line of dx would be read back as dy by the next group of 8.
+    const bool stream = streams(dxs, m, n) && static_cast<const void*>(dxs) != static_cast<const void*>(dys);
     parallel(0, blocks, m * n < kParallelMin ? blocks : 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         float* ag = p.pg + b * n;
