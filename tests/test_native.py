@@ -428,3 +428,26 @@ def test_build_command_is_idempotent():
     out = subprocess.run([sys.executable, "-m", "gradops.native"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(".so")
+
+
+def test_registering_a_backward_again_releases_the_one_before(monkeypatch):
+    """gradops.native.reset() registers each node's Python backward again (set_differentiable): the extension
+    replaces the function it held and releases it, instead of leaking it with its references."""
+    ext = native.module()
+
+    def first(inputs, extra):
+        raise AssertionError("not called")
+
+    def second(inputs, extra):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(native, "_registered", set())  # the real backwards are registered again on next use
+    before = sys.getrefcount(first)
+    ext.set_differentiable(ext.HARDSWISH, first)
+    assert sys.getrefcount(first) == before + 1
+    ext.set_differentiable(ext.HARDSWISH, second)
+    assert sys.getrefcount(first) == before
+    x = torch.randn(4, 5, requires_grad=True)  # the node's backward of record comes back on use
+    y = gradops.nn.Hardswish()(x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert g.requires_grad

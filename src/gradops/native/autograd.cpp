@@ -699,19 +699,29 @@ Tensor hardswish_backward_function(const Tensor& g, const Tensor& x) {
   return gradops_native::hardswish_grad(g, x, output(x.sizes(), x.options()));
 }
 
+// Called with the GIL held (from Python), which also guards ``differentiable``: the one writer, and the readers
+// (python_backward) take the GIL first. A second registration (after gradops.native.reset) replaces the object in
+// place, releasing the old function.
 void set_differentiable(int64_t op, py::object fn) {
   TORCH_CHECK(op >= 0 && op < kOps, "gradops.native: unknown op ", op);
-  differentiable[op] = new py::object(std::move(fn));
+  if (differentiable[op] == nullptr) {
+    differentiable[op] = new py::object(std::move(fn));
+  } else {
+    *differentiable[op] = std::move(fn);
+  }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradops' native autograd nodes (see autograd.cpp)";
-  pthread_atfork(nullptr, nullptr, [] {
-    forked = true;
-    new (&block_pool().lock) std::mutex();  // another thread may have held it at the fork: the copy would never open
-  });
+  // The pool's lock is held across fork() (taken before, released in the parent and in the child): another thread
+  // holding it at the fork would leave the child a copy that never opens, over a free list caught mid-change.
+  pthread_atfork([] { block_pool().lock.lock(); }, [] { block_pool().lock.unlock(); },
+                 [] {
+                   forked = true;
+                   block_pool().lock.unlock();
+                 });
   m.attr("HARDSWISH") = static_cast<int64_t>(kHardswish);
   m.attr("LAYER_NORM") = static_cast<int64_t>(kLayerNorm);
   m.attr("POOL_MIN") = kPoolMin;
