@@ -69,9 +69,6 @@ inline float term(T v, float cnt) {
   }
 }
 
-// One pass of a table row's sum over R (1 to 4) gradient rows ``g``: ``s = (First ? 0 : acc) + g[0] + ... +
-// g[R-1]`` added left to right, into the float32 row sum ``acc``, or rounded into ``out`` by the Last pass. A
-// contiguous j loop of R + 1 streams, vectorized as written (no reassociation needed).
 // The float32 table streamed past the caches (kernels.h: streams) takes the same sums eight columns at a time in
 // explicit vectors: the same operations per element, so the same bits.
 typedef float V8 __attribute__((vector_size(32)));
@@ -95,6 +92,10 @@ void streamed_pass(const float* g0, const float* g1, const float* g2, const floa
   }
 }
 
+// One pass of a table row's sum over R (1 to 4) gradient rows ``g``: ``s = (First ? 0 : acc) + g[0] + ... +
+// g[R-1]`` added left to right, into the float32 row sum ``acc``, or rounded into ``out`` by the Last pass. A
+// contiguous j loop of R + 1 streams, vectorized as written (no reassociation needed); a
+// streamed table's Last pass is streamed_pass.
 template <class T, bool Scale, int R, bool First, bool Last>
 void row_pass(const T* const* g, int64_t e, float cnt, float* __restrict acc, T* __restrict out, bool stream) {
   const T* __restrict g0 = g[0];

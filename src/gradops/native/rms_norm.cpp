@@ -281,11 +281,6 @@ GRADOPS_RMS_INLINE float row_coef(const T* dy, const T* x, const G* g, float s, 
   return sum * s * inv_n;
 }
 
-// Row block b of ``blocks`` (ceil(m / blocks) rows each; the last blocks may have fewer or none): dx of its rows and
-// its dgamma partial row part[0, n), which it zeroes first. Rows go four at a time: c of each (a pass over the four
-// rows), then dx and partial[j] += dy0*xh0 + dy1*xh1 + dy2*xh2 + dy3*xh3 (a second pass, from L2: four rows of 4096
-// float32 dy and x are 128 KiB), one load and store of the partial per four rows (numba's version of this loop
-// measured 72% -> 89% of copy_'s bandwidth at 8192 x 4096 float32 against one row per update).
 // dx's 8 columns at p: streamed past the caches (kStream, float32 only: see kernels.h), else stored.
 template <bool kStream, class T>
 GRADOPS_RMS_INLINE void put8(F8 v, T* p) {
@@ -296,6 +291,11 @@ GRADOPS_RMS_INLINE void put8(F8 v, T* p) {
   }
 }
 
+// Row block b of ``blocks`` (ceil(m / blocks) rows each; the last blocks may have fewer or none): dx of its rows and
+// its dgamma partial row part[0, n), which it zeroes first. Rows go four at a time: c of each (a pass over the four
+// rows), then dx and partial[j] += dy0*xh0 + dy1*xh1 + dy2*xh2 + dy3*xh3 (a second pass, from L2: four rows of 4096
+// float32 dy and x are 128 KiB), one load and store of the partial per four rows (numba's version of this loop
+// measured 72% -> 89% of copy_'s bandwidth at 8192 x 4096 float32 against one row per update).
 template <bool kStream, class T, class G>
 void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g, T* dx, float* part, int64_t m,
                          int64_t n, int64_t blocks, int64_t b) {
