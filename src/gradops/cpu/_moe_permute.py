@@ -1,7 +1,8 @@
 """aclnnMoeTokenPermute, aclnnMoeTokenPermuteGrad and the unpermute pair on the CPU: the host entries of the native
 kernels ``moe_token_permute``, ``moe_token_permute_grad``, ``moe_token_unpermute`` and ``moe_token_unpermute_grad``
 (gradops/native/moe_permute.cpp: the permute's counting sort and row gather, gather-sums of each token's K rows and
-the scatter of their gradients; no zero-fill, no atomics: each output row has one writer).
+the scatter of their gradients; no zero-fill, no atomics: each output row has one writer), and of the routing-map
+ops' kernels (the same file: each op's slot tables in integer passes, then the same gather-sums and scatters).
 
 Byte models: permute ``T·K·H·s + T·K·(s_idx + 4)`` (a token's row is read once per copy, from cache); permute
 grad and unpermute ``T·K·H·s_in + T·H·s_out + T·K·s_idx`` (+ ``T·K·s_p`` for probs); unpermute grad
