@@ -424,15 +424,15 @@ void gather_sum(const T* src, int64_t h, const int64_t* rows, const float* w, in
   }
 }
 
-// The gather-sums of moe_token_permute_grad and moe_token_unpermute: out[t] = sum_{k<K} w[t, k] ·
-// src[idx[t·K + k]] over the rows present (< A), k in order (probs undefined: weight 1). idx is a checked
-// permutation of [0, T·K). Tokens split over threads by rows_grain over the H items a token writes: serial below
-// kParallelMin written items (a 512 x 256 fp32 gradient's T = 64, H = 256 sums run on the calling thread).
-void token_sums(const at::Tensor& src, const Entries& idx, const at::Tensor& probs, int64_t topk, const at::Tensor& out,
+// The gather-sums of moe_token_permute_grad, moe_token_unpermute and the routing-map ops: out[t] = sum_{k<K}
+// weight(t, k) · src[idx[t·K + k]] over the slots naming a row present (0 <= row < A), k in order (kWeighted false:
+// the plain sum, no products). The caller checked idx (a permutation, or the routing-map slot rules). Tokens split
+// over threads by rows_grain over the H items a token writes: serial below kParallelMin written items (a 512 x 256
+// fp32 gradient's T = 64, H = 256 sums run on the calling thread).
+template <bool kWeighted, class W>
+void token_sums(const at::Tensor& src, const Entries& idx, int64_t topk, const W& weight, const at::Tensor& out,
                 const char* kernel) {
   const int64_t a = src.size(0), h = src.size(1), tokens = out.size(0);
-  const bool weighted = probs.defined();
-  const Items p = items_of(probs, kernel);
   if (tokens == 0 || h == 0) return;
   with_float(src.scalar_type(), kernel, [&](auto tag) {
     using T = decltype(tag);
@@ -448,20 +448,19 @@ void token_sums(const at::Tensor& src, const Entries& idx, const at::Tensor& pro
           const int64_t r = idx[t * topk + k];
           if (r >= 0 && r < a) {
             rows[nv] = r;
-            if (weighted) w[nv] = p[t * topk + k];
+            if constexpr (kWeighted) w[nv] = weight(t, k);
             ++nv;
           }
         }
-        if (weighted) {
-          gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
-        } else {
-          gather_sum<T, false>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
-        }
+        gather_sum<T, kWeighted>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
       }
       if (stream) stream_fence();
     });
   });
 }
+
+// Weight 1 (a plain sum where kWeighted is false; the routing-map ops' unit weights where it is true).
+inline float unit_weight(int64_t, int64_t) { return 1.0f; }
 
 // ---------------------------------------------------------------- moe_token_permute
 // The destination row of each copy: inverse[i] = the rank of copy i in the stable order of the flattened expert
@@ -559,7 +558,7 @@ int64_t moe_token_permute_grad(const KernelArgs& a) {
               "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
   const int64_t bad = first_not_permutation(idx, name);
   if (bad >= 0) return bad;
-  token_sums(grad, entries_of(idx, name), at::Tensor(), topk, out, name);
+  token_sums<false>(grad, entries_of(idx, name), topk, unit_weight, out, name);
   return -1;
 }
 
@@ -585,7 +584,13 @@ int64_t moe_token_unpermute(const KernelArgs& a) {
               "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
   const int64_t bad = first_not_permutation(idx, name);
   if (bad >= 0) return bad;
-  token_sums(x, entries_of(idx, name), probs, topk, out, name);
+  const Entries e = entries_of(idx, name);
+  if (probs.defined()) {
+    const Items p = items_of(probs, name);
+    token_sums<true>(x, e, topk, [&](int64_t t, int64_t k) { return p[t * topk + k]; }, out, name);
+  } else {
+    token_sums<false>(x, e, topk, unit_weight, out, name);
+  }
   return -1;
 }
 
@@ -923,37 +928,6 @@ void token_row_sums(const at::Tensor& src, const TokenRows& by, const W& weight,
   });
 }
 
-// out[t] = sum over k < K of w(t, k) · src[idx[t·K + k]] over the slots naming a row (>= 0), k in order.
-template <class W>
-void slot_sums(const at::Tensor& src, const Entries& idx, int64_t topk, const W& weight, const at::Tensor& out,
-               const char* kernel) {
-  const int64_t h = src.size(1), tokens = out.size(0);
-  if (tokens == 0 || h == 0) return;
-  with_float(src.scalar_type(), kernel, [&](auto tag) {
-    using T = decltype(tag);
-    const T* x = src.const_data_ptr<T>();
-    T* y = out.data_ptr<T>();
-    const bool stream = streams(y, tokens, h);
-    parallel(0, tokens, rows_grain(tokens, h), [&](int64_t lo, int64_t hi) {
-      std::vector<int64_t> rows(static_cast<size_t>(topk));
-      std::vector<float> w(static_cast<size_t>(topk));
-      for (int64_t t = lo; t < hi; ++t) {
-        int64_t nv = 0;
-        for (int64_t k = 0; k < topk; ++k) {
-          const int64_t r = idx[t * topk + k];
-          if (r >= 0) {
-            rows[nv] = r;
-            w[nv] = weight(t, k);
-            ++nv;
-          }
-        }
-        gather_sum<T, true>(x, h, rows.data(), w.data(), nv, y + t * h, stream);
-      }
-      if (stream) stream_fence();
-    });
-  });
-}
-
 // moe_token_permute_with_routing_map: the rows of each (token, expert) pair, grouped by expert.
 //  in:  tokens (T, H) float; routing_map (T, E) bool / int8; probs (T, E) float or absent.
 //  out: permuted (A, H) in tokens' dtype; permuted_probs (A,) in probs' dtype, or an empty tensor without probs;
@@ -1072,12 +1046,11 @@ int64_t moe_token_permute_with_routing_map_grad(const KernelArgs& a) {
                                    (drop || (map.defined() && map.size(0) == t_count && map.size(1) == e_count)))),
               "gradops.native: ", name, ": arguments of mismatched shapes or dtypes");
   const Entries e = entries_of(idx, name);
-  const auto one = [](int64_t, int64_t) { return 1.0f; };
   if (drop) {
     TokenRows by;
     const int64_t bad = rows_by_token(e, n, t_count, by);
     if (bad >= 0) return bad;
-    token_row_sums(grad, by, one, dtokens, name);
+    token_row_sums(grad, by, unit_weight, dtokens, name);
     if (with_probs) {
       zero_all(dprobs);
       const int64_t per = n / e_count;
@@ -1088,7 +1061,7 @@ int64_t moe_token_permute_with_routing_map_grad(const KernelArgs& a) {
   const int64_t topk = n / t_count;
   const Live live = live_rows(e, n, rows_a);
   if (live.bad >= 0) return live.bad;
-  slot_sums(grad, e, topk, one, dtokens, name);
+  token_sums<true>(grad, e, topk, unit_weight, dtokens, name);
   if (with_probs) {
     zero_all(dprobs);
     const uint8_t* m = map_bytes(map, name);
@@ -1155,7 +1128,7 @@ int64_t moe_token_unpermute_with_routing_map(const KernelArgs& a) {
     if (probs.defined()) {
       token_row_sums(x, by, [&](int64_t t, int64_t r) { return p[t * experts + r / per]; }, out, name);
     } else {
-      token_row_sums(x, by, [](int64_t, int64_t) { return 1.0f; }, out, name);
+      token_row_sums(x, by, unit_weight, out, name);
     }
     return -1;
   }
@@ -1164,12 +1137,12 @@ int64_t moe_token_unpermute_with_routing_map(const KernelArgs& a) {
   if (live.bad >= 0) return live.bad;
   const SlotWeights w = slot_weights(probs, map, t_count, topk, name);
   if (probs.defined()) {
-    slot_sums(x, e, topk, [&](int64_t t, int64_t k) {
+    token_sums<true>(x, e, topk, [&](int64_t t, int64_t k) {
       const int64_t ex = w.ranked[t * topk + k];
       return ex >= 0 ? w.probs[t * w.experts + ex] : 0.0f;
     }, out, name);
   } else {
-    slot_sums(x, e, topk, [](int64_t, int64_t) { return 1.0f; }, out, name);
+    token_sums<true>(x, e, topk, unit_weight, out, name);
   }
   return -1;
 }
