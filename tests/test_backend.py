@@ -7,8 +7,8 @@ import torch
 
 import gradops
 from gradops import backend, native, reference
-from gradops.ops import _hardswish as hardswish_ops
-from gradops.ops import _rms_norm as rms_ops
+from gradops.families.hardswish import ops as hardswish_ops
+from gradops.families.rms_norm import ops as rms_ops
 
 #: What a failed build of the CPU kernels leaves behind (gradops.native.ensure_built), simulated.
 NOT_BUILT = "the native CPU kernels could not be built (CalledProcessError: simulated: no compiler)"

@@ -23,7 +23,7 @@ def test_check_passes_and_prints_table():
 
 
 def test_check_fails_on_a_wrong_result(monkeypatch, capsys):
-    from gradops.ops import _hardswish as hardswish_ops
+    from gradops.families.hardswish import ops as hardswish_ops
 
     real_plan = hardswish_ops.plan_hardswish_backward
 

@@ -190,10 +190,10 @@ def test_eager_backward_trusts_indices_its_forward_checked(monkeypatch):
     # The host-side tests are what the adapters of the torch and Triton backends run; the compiled CPU kernels
     # test the indices in-kernel on every call, trusted or not (free there), so they show nothing here.
     monkeypatch.setenv("GRADOPS_BACKEND", "torch")
-    from gradops.ops import _embedding as emb
+    from gradops.families.embedding import ops as emb
 
     # The MoE backward's full test (a permutation, a sort on CUDA) is the backend's; trusted, it tests the range.
-    from gradops.reference import _moe_permute as moe
+    from gradops.families.moe import reference as moe
     calls = []
     for module, name in ((emb, "checked_indices"), (moe, "checked_permutation")):
         real = getattr(module, name)

@@ -348,7 +348,7 @@ F32_PAIRS = {
 def test_float32_gradient_penalty_on_the_backend(name, backend):
     """float32 runs on the backend named (GRADOPS_BACKEND=cpu: the compiled kernels) for the first backward; a
     gradient penalty through the gradops module agrees with torch's module within float32 tolerance."""
-    from gradops.ops._rms_norm import plan_rms_norm_grad
+    from gradops.families.rms_norm.ops import plan_rms_norm_grad
 
     ours, theirs = F32_PAIRS[name]()
     with torch.no_grad():

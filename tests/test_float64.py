@@ -91,7 +91,7 @@ def test_float64_is_planned_onto_the_float64_reference(op, backend):
 def test_float64_indices_are_only_indices(backend):
     """float64 is one of CANN's nine embedding index dtypes: float32 gradients with float64 indices stay on the
     backend named (and in float32), where a float64 gradient beside float32 indices widens."""
-    from gradops.ops._embedding import plan_embedding_dense_backward as plan
+    from gradops.families.embedding.ops import plan_embedding_dense_backward as plan
 
     grad, idx = torch.randn(4, 3), torch.tensor([0.0, 2.7, 1.0, 2.0], dtype=F64)
     assert plan(grad, idx, 3, -1, False).backend.name == backend

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import gradops
-from gradops.contract import rms_norm as contract
 from gradops.contract._memo import LIMIT
-from gradops.contract.hardswish import check_hardswish
-from gradops.ops import _rms_norm as rms_ops
+from gradops.families.hardswish.contract import check_hardswish
+from gradops.families.rms_norm import contract
+from gradops.families.rms_norm import ops as rms_ops
 from gradops.ops._plan import Planner, forget_all
 from gradops.status import OpError
 

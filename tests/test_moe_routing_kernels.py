@@ -1,5 +1,5 @@
-"""The routing-map ops' CPU kernels (native/moe_permute.cpp: one kernel per op, the slot tables built in C++) give
-the bits of the permute family's kernels on the Python slot tables of gradops.reference._moe_routing, which they
+"""The routing-map ops' CPU kernels (families/moe/moe_permute.cpp: one kernel per op, the slot tables built in C++) give
+the bits of the permute family's kernels on the Python slot tables of gradops.families.moe.routing_reference, which they
 replace on the CPU path: every sample, caller-made indices the samples lack (a token named twice in one expert's
 column, rows no slot names), above the parallel threshold on one and two threads; every value the tables refuse
 is refused, with the tables' OpError, before anything is written."""
@@ -21,7 +21,7 @@ ROUTING = ("moe_token_permute_with_routing_map", "moe_token_permute_with_routing
 
 
 def _cpu():
-    from gradops.cpu import _moe_permute as cpu  # the extension is built: skip_unless_native
+    from gradops.families.moe import cpu  # the extension is built: skip_unless_native
 
     return cpu
 

@@ -106,9 +106,15 @@ def test_the_declared_native_nodes_are_the_extensions():
 
 
 def test_every_family_module_is_registered():
-    """A family module the package does not list would declare ops nothing reads."""
-    import pkgutil
+    """A family's declaration module the package does not list would declare ops nothing reads: each folder of
+    gradops.families and each ``spec.py`` / ``*_spec.py`` in it is in ``DECLARATIONS``."""
+    from pathlib import Path
 
-    from gradops import specs
+    from gradops import families
 
-    assert sorted(specs.__all__) == sorted(m.name for m in pkgutil.iter_modules(specs.__path__))
+    root = Path(families.__file__).parent
+    found = {f"{families.__name__}.{p.parent.name}.{p.stem}" for p in root.glob("*/*.py")
+             if p.stem == "spec" or p.stem.endswith("_spec")}
+    folders = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    assert found and {name.split(".")[2] for name in found} == folders
+    assert sorted(found) == sorted(module.__name__ for module in families.DECLARATIONS)

@@ -158,7 +158,7 @@ def test_a_variance_within_epsilon_below_zero_is_computed_as_cann_does(monkeypat
 
 def test_the_autograd_backward_skips_the_statistics_check_its_forward_makes_unnecessary(monkeypatch):
 
-    from gradops.ops import _layer_norm as ln
+    from gradops.families.layer_norm import ops as ln
     calls = []
     real = ln.plan_layer_norm_backward
 

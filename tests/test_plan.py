@@ -11,7 +11,7 @@ import torch
 
 import gradops
 from gradops import aclnn, ascendc, backend, registry
-from gradops.ops import _rms_norm as rms
+from gradops.families.rms_norm import ops as rms
 from gradops.ops._plan import CallPlan, Planner, forget_all
 from gradops.status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR
 

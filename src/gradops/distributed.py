@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .contract._common import dtype_name, shape_text
-from .ops._moe_permute import moe_token_permute, moe_token_unpermute
+from .families.moe.ops import moe_token_permute, moe_token_unpermute
 from .ops._sharding import register as register_sharding_rules
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 

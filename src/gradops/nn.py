@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import ops
 from .contract._common import require_present, shape_text
-from .contract.embedding import check_embedding, checked_indices
+from .families.embedding.contract import check_embedding, checked_indices
 from .status import ACLNN_ERR_PARAM_INVALID, OpError
 
 __all__ = ["Embedding", "Hardswish", "LayerNorm", "MoeTokenPermute", "MoeTokenUnpermute", "RMSNorm",

@@ -1,6 +1,6 @@
-"""The operators: one list, collected from the families' declarations (:mod:`gradops.specs`), that the command line
-(``check``, ``golden``, ``env``, ``bench``), the measurements, the sharding rules, the CANN surfaces' argument
-names, the tests and the backends' coverage read.
+"""The operators: one list, collected from the families' declarations (``families/<family>/spec.py``), that the
+command line (``check``, ``golden``, ``env``, ``bench``), the measurements, the sharding rules, the CANN surfaces'
+argument names, the tests and the backends' coverage read.
 
 Each entry of :data:`OPS` is an operator every backend implements under the same name (``gradops.reference``,
 ``gradops.cpu``, ``gradops.launch``; a backend that lacks one leaves it to the reference, see
@@ -10,15 +10,12 @@ ops no backend implements (``gradops.embedding``, the lookup: a gather with its 
 
 from __future__ import annotations
 
-import importlib
-
-from . import specs
+from .families import DECLARATIONS
 from .spec import Bench, OpSpec
 
-#: Every declared op: each family module that :mod:`gradops.specs` lists declares its ``SPECS``, in that order
-#: (tests/test_op_spec.py: every module there is listed).
-SPECS: tuple[OpSpec, ...] = tuple(op for family in specs.__all__
-                                  for op in importlib.import_module(f"{specs.__name__}.{family}").SPECS)
+#: Every declared op: each declaration module :mod:`gradops.families` lists declares its ``SPECS``, in that order
+#: (tests/test_op_spec.py: every family folder is listed).
+SPECS: tuple[OpSpec, ...] = tuple(op for family in DECLARATIONS for op in family.SPECS)
 
 #: The ops the backends implement.
 OPS: tuple[OpSpec, ...] = tuple(spec for spec in SPECS if spec.kernels)

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .contract.rms_norm import DTYPE_TABLE as RMS_NORM_DTYPES
+from .families.rms_norm.contract import DTYPE_TABLE as RMS_NORM_DTYPES
 
 #: The experts implementation name gradops registers in transformers' ``ALL_EXPERTS_FUNCTIONS``.
 EXPERTS = "gradops"

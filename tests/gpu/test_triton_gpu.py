@@ -50,7 +50,12 @@ def _build(kernel, ptrs: dict, consts: dict, warps: int, floats=(), i64=()) -> s
 def _builds():
     if INTERPRETING:
         return []
-    from gradops.kernels import common, embedding, hardswish, layer_norm, moe_permute, rms_norm
+    from gradops.families.embedding import kernels as embedding
+    from gradops.families.hardswish import kernels as hardswish
+    from gradops.families.layer_norm import kernels as layer_norm
+    from gradops.families.moe import kernels as moe_permute
+    from gradops.families.rms_norm import kernels as rms_norm
+    from gradops.kernels import common
 
     bf = "bf16"
     rms = {"DY": bf, "X": bf, "RSTD": "fp32", "G": bf, "DX": bf, "PART": "fp32"}

@@ -29,7 +29,7 @@ def test_permute_grad_launcher_refuses_a_non_permutation(bad):
 def test_permute_grad_launcher_trusts_its_forward(launches, monkeypatch):
     """The backward of gradops' own permute skips the test (its sorted_indices is a permutation by construction,
     guarded by autograd's version counter): one device sort fewer per step, and the same gradient."""
-    from gradops.launch import _moe_permute as module
+    from gradops.families.moe import launch as module
     tested = []
     real = module._guard_permutation
     monkeypatch.setattr(module, "_guard_permutation", lambda si, op: tested.append(op) or real(si, op))

@@ -17,8 +17,8 @@ import torch
 
 import gradops
 from gradops import launch
+from gradops.families.embedding.kernels import embedding_config
 from gradops.kernels.common import row_config
-from gradops.kernels.embedding import embedding_config
 from oracles import assert_matches
 from samples import Sample
 
@@ -293,7 +293,7 @@ def test_public_embedding_backward_tests_integer_indices_once(monkeypatch):
     the ops layer's own test is six more device calls per call): the refusal is the same OpError; float indices
     (truncated, NaN refused) still take the ops layer's test."""
 
-    from gradops.ops import _embedding as module
+    from gradops.families.embedding import ops as module
     calls = []
     real = module.checked_indices
     monkeypatch.setattr(module, "checked_indices", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))

@@ -18,6 +18,35 @@ the out tensors. Nothing here raises for bad arguments: every call returns a sta
 same backend decision; the work runs in the implementation it chose.
 """
 
+from ..families.embedding.aclnn import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
+from ..families.hardswish.aclnn import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
+from ..families.layer_norm.aclnn import aclnnLayerNormBackward, aclnnLayerNormBackwardGetWorkspaceSize
+from ..families.moe.aclnn import (
+    aclnnMoeTokenPermute,
+    aclnnMoeTokenPermuteGetWorkspaceSize,
+    aclnnMoeTokenPermuteGrad,
+    aclnnMoeTokenPermuteGradGetWorkspaceSize,
+    aclnnMoeTokenUnpermute,
+    aclnnMoeTokenUnpermuteGetWorkspaceSize,
+    aclnnMoeTokenUnpermuteGrad,
+    aclnnMoeTokenUnpermuteGradGetWorkspaceSize,
+)
+from ..families.moe.routing_aclnn import (
+    aclnnMoeTokenPermuteWithRoutingMap,
+    aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize,
+    aclnnMoeTokenPermuteWithRoutingMapGrad,
+    aclnnMoeTokenPermuteWithRoutingMapGradGetWorkspaceSize,
+    aclnnMoeTokenUnpermuteWithRoutingMap,
+    aclnnMoeTokenUnpermuteWithRoutingMapGetWorkspaceSize,
+    aclnnMoeTokenUnpermuteWithRoutingMapGrad,
+    aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize,
+)
+from ..families.rms_norm.aclnn import (
+    aclnnRmsNorm,
+    aclnnRmsNormGetWorkspaceSize,
+    aclnnRmsNormGrad,
+    aclnnRmsNormGradGetWorkspaceSize,
+)
 from ..status import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_CREATE_EXECUTOR,
@@ -44,30 +73,6 @@ from ..status import (
     STATUS_NAMES,
 )
 from ._executor import aclDestroyAclOpExecutor, aclGetRecentErrMsg, aclOpExecutor, aclSetAclOpExecutorRepeatable
-from .embedding import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
-from .hardswish import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
-from .layer_norm import aclnnLayerNormBackward, aclnnLayerNormBackwardGetWorkspaceSize
-from .moe_permute import (
-    aclnnMoeTokenPermute,
-    aclnnMoeTokenPermuteGetWorkspaceSize,
-    aclnnMoeTokenPermuteGrad,
-    aclnnMoeTokenPermuteGradGetWorkspaceSize,
-    aclnnMoeTokenUnpermute,
-    aclnnMoeTokenUnpermuteGetWorkspaceSize,
-    aclnnMoeTokenUnpermuteGrad,
-    aclnnMoeTokenUnpermuteGradGetWorkspaceSize,
-)
-from .moe_routing import (
-    aclnnMoeTokenPermuteWithRoutingMap,
-    aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize,
-    aclnnMoeTokenPermuteWithRoutingMapGrad,
-    aclnnMoeTokenPermuteWithRoutingMapGradGetWorkspaceSize,
-    aclnnMoeTokenUnpermuteWithRoutingMap,
-    aclnnMoeTokenUnpermuteWithRoutingMapGetWorkspaceSize,
-    aclnnMoeTokenUnpermuteWithRoutingMapGrad,
-    aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize,
-)
-from .rms_norm import aclnnRmsNorm, aclnnRmsNormGetWorkspaceSize, aclnnRmsNormGrad, aclnnRmsNormGradGetWorkspaceSize
 
 #: ``aclnnStatus`` is a plain int; kept as a name so ported signatures read the same.
 aclnnStatus = int

@@ -6,7 +6,7 @@ torch tensors written in place; host tiling functions return what C writes throu
 Misuse raises :class:`~gradops.status.OpError` where AscendC would assert.
 """
 
-from .layer_norm_grad import LayerNormGrad, LayerNormGradBeta
+from ..families.layer_norm.ascendc import LayerNormGrad, LayerNormGradBeta
 from .tiling import GetLayerNormGradBetaMaxMinTmpSize, GetLayerNormGradBetaNDTilingInfo, LayerNormGradBetaTiling
 
 __all__ = ["GetLayerNormGradBetaMaxMinTmpSize", "GetLayerNormGradBetaNDTilingInfo", "LayerNormGrad",

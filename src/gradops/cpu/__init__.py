@@ -14,14 +14,13 @@ from .. import native as _native
 
 _native.kernels()  # ImportError where the kernels cannot be had: how gradops.backend learns it
 
-from . import programs  # noqa: E402, F401 - each family module below registers its programs there
-from ._embedding import (  # noqa: E402 - after the kernels' check, on purpose
+from ..families.embedding.cpu import (  # noqa: E402 - after the kernels' check, on purpose
     embedding_dense_backward,
     embedding_dense_backward_shaped,
     embedding_dense_backward_workspace,
 )
-from ._hardswish import hardswish, hardswish_backward  # noqa: E402
-from ._layer_norm import (  # noqa: E402
+from ..families.hardswish.cpu import hardswish, hardswish_backward  # noqa: E402
+from ..families.layer_norm.cpu import (  # noqa: E402
     layer_norm,
     layer_norm_backward,
     layer_norm_backward_shaped,
@@ -33,7 +32,7 @@ from ._layer_norm import (  # noqa: E402
     layer_norm_grad_shaped,
     layer_norm_shaped,
 )
-from ._moe_permute import (  # noqa: E402
+from ..families.moe.cpu import (  # noqa: E402
     moe_token_permute,
     moe_token_permute_grad,
     moe_token_permute_grad_shaped,
@@ -47,13 +46,14 @@ from ._moe_permute import (  # noqa: E402
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from ._rms_norm import (  # noqa: E402
+from ..families.rms_norm.cpu import (  # noqa: E402
     rms_norm,
     rms_norm_grad,
     rms_norm_grad_shaped,
     rms_norm_grad_workspace,
     rms_norm_shaped,
 )
+from . import programs  # noqa: E402, F401 - each family module below registers its programs there
 
 __all__ = [
     "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",

@@ -13,10 +13,9 @@ if interpreting():  # before any kernel runs: make the interpreter work with Num
 
     _apply_interpreter_fix()
 
-from ._common import LAUNCHES
-from ._embedding import embedding_dense_backward, embedding_dense_backward_workspace
-from ._hardswish import hardswish, hardswish_backward
-from ._layer_norm import (
+from ..families.embedding.launch import embedding_dense_backward, embedding_dense_backward_workspace
+from ..families.hardswish.launch import hardswish, hardswish_backward
+from ..families.layer_norm.launch import (
     layer_norm,
     layer_norm_backward,
     layer_norm_backward_workspace,
@@ -24,7 +23,7 @@ from ._layer_norm import (
     layer_norm_grad_beta,
     layer_norm_grad_beta_workspace,
 )
-from ._moe_permute import (
+from ..families.moe.launch import (
     moe_token_permute,
     moe_token_permute_grad,
     moe_token_permute_with_routing_map,
@@ -35,7 +34,8 @@ from ._moe_permute import (
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from ._rms_norm import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+from ..families.rms_norm.launch import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+from ._common import LAUNCHES
 
 __all__ = [
     "LAUNCHES", "embedding_dense_backward", "embedding_dense_backward_workspace", "hardswish", "hardswish_backward",

@@ -40,10 +40,11 @@ from .. import _runtime
 from .._compat import HAS_OPENMP
 
 _HERE = Path(__file__).parent
-#: The extension's sources: the CPU kernels (kernels.cpp: their registry; one file per op family), the autograd
-#: nodes, the direct calls of the public functions, what they share.
-SOURCES = tuple(sorted(_HERE.glob("*.cpp")))
-HEADERS = tuple(sorted(_HERE.glob("*.h")))
+#: The extension's sources: what the families share here (kernels.cpp: the kernels' registry; the autograd nodes,
+#: the direct calls of the public functions, the vector layer), and each family's kernels in its own folder
+#: (``families/<family>/*.cpp``, which include this folder's headers).
+SOURCES = tuple(sorted(_HERE.glob("*.cpp"))) + tuple(sorted(_HERE.parent.glob("families/*/*.cpp")))
+HEADERS = tuple(sorted(_HERE.glob("*.h"))) + tuple(sorted(_HERE.parent.glob("families/*/*.h")))
 ENV = "GRADOPS_NATIVE"
 
 _module: ModuleType | None = None
@@ -240,7 +241,7 @@ def build(verbose: bool = False) -> Path:
         # No torch/extension.h (the whole C++ API), which triples the build time for nothing used here.
         try:
             load(name(), [str(p) for p in SOURCES], build_directory=str(directory), extra_cflags=list(CFLAGS),
-                 extra_ldflags=list(_OPENMP), verbose=verbose)
+                 extra_ldflags=list(_OPENMP), extra_include_paths=[str(_HERE)], verbose=verbose)
         except Exception as err:
             (directory / FAILED).write_text(f"{_build_error(err)}\n")
             (directory / TOOLCHAIN).write_text(f"{toolchain()}\n")

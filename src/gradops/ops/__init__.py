@@ -8,17 +8,23 @@ together per argument metadata. The op body and the ``out=`` path both run throu
 :mod:`gradops.backend`.
 """
 
-from ._embedding import embedding, embedding_dense_backward
-from ._hardswish import hardswish, hardswish_backward, hardswish_output
-from ._layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta, layer_norm_output
-from ._moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
-from ._moe_routing import (
+from ..families.embedding.ops import embedding, embedding_dense_backward
+from ..families.hardswish.ops import hardswish, hardswish_backward, hardswish_output
+from ..families.layer_norm.ops import (
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_grad,
+    layer_norm_grad_beta,
+    layer_norm_output,
+)
+from ..families.moe.ops import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
+from ..families.moe.routing_ops import (
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from ._rms_norm import rms_norm, rms_norm_grad
+from ..families.rms_norm.ops import rms_norm, rms_norm_grad
 
 __all__ = [
     "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "hardswish_output", "layer_norm",

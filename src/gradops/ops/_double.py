@@ -18,8 +18,8 @@ gives the true total derivative: those statistics are the forward op's outputs, 
 the forward op's backward as ``drstd`` / ``dmean`` / ``dvar``, whose terms that backward already has.
 
 ``embedding_dense_backward`` is linear in grad and has a hand-written gather instead (see
-:mod:`gradops.ops._embedding`). ``hardswish_backward``'s derivative keeps CANN's closed interval: ``g / 3`` for x on
-[-3, 3], kinks included, where torch's formula has the open interval.
+:mod:`gradops.families.embedding.ops`). ``hardswish_backward``'s derivative keeps CANN's closed interval: ``g / 3``
+for x on [-3, 3], kinks included, where torch's formula has the open interval.
 
 The MoE backward ops (``moe_token_permute_grad``, ``moe_token_unpermute_grad`` and the routing-map pair) move
 and weight rows by their indices: :func:`reference_derivative` differentiates their references with respect to

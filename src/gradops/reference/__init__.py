@@ -4,17 +4,22 @@
 Functions take the 2-D views and checked indices the dispatch layer prepares; they never validate.
 """
 
-from ._embedding import embedding_dense_backward
-from ._hardswish import hardswish, hardswish_backward
-from ._layer_norm import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
-from ._moe_permute import moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad
-from ._moe_routing import (
+from ..families.embedding.reference import embedding_dense_backward
+from ..families.hardswish.reference import hardswish, hardswish_backward
+from ..families.layer_norm.reference import layer_norm, layer_norm_backward, layer_norm_grad, layer_norm_grad_beta
+from ..families.moe.reference import (
+    moe_token_permute,
+    moe_token_permute_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
+)
+from ..families.moe.routing_reference import (
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
-from ._rms_norm import rms_norm, rms_norm_grad
+from ..families.rms_norm.reference import rms_norm, rms_norm_grad
 
 __all__ = [
     "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",

@@ -1,0 +1,1 @@
+"""The embedding lookup and aclnnEmbeddingDenseBackward: the family's room (see :mod:`gradops.families`)."""

@@ -1,0 +1,1 @@
+"""Hardswish and aclnnHardswishBackward: the family's room (see :mod:`gradops.families`)."""

@@ -1,0 +1,223 @@
+"""LayerNorm forward, AscendC LayerNormGrad / LayerNormGradBeta and the fused backward on the CPU: the host entries
+of the native kernels ``layer_norm``, ``layer_norm_grad``, ``layer_norm_grad_beta`` and ``layer_norm_backward``
+(layer_norm.cpp: formulas, float32 math, row-parallel, deterministic column sums).
+
+LayerNormGrad follows AscendC's formula term by term, including the ``sum(x - mean)`` term (see
+:mod:`gradops.families.layer_norm.reference`). Byte models: grad ``M·N·(s_dy + s_x + 2·s_x) + 8M + N·s_g`` (pdx and
+res_for_gamma written); grad_beta ``2·M·N·s + 2·N·s``; fused backward ``M·N·(s_dy + s_x + s_dx) + 8M + N·(s_g + 8)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...cpu import _pool
+from ...cpu._host import dense, finish, kernel, output, row_blocks
+from ...cpu.programs import BUILDERS, Program, arg
+from .contract import LayerNormShape, statistic_error
+
+
+def _outs(out, i):
+    return out[i] if out else None
+
+
+def _workspace(workspace: Tensor | None, nbytes: int) -> Tensor | None:
+    """``workspace`` checked to hold ``nbytes`` (the kernel puts its float32 partials there), contiguous; None stays
+    None (the kernel allocates its own). ~1 µs: no detach / view (~2 µs more, a sixth of a 64 x 128 backward),
+    which the kernel, reading the bytes by address, does not need."""
+    if workspace is None:
+        return None
+    if workspace.dtype != torch.uint8 or not workspace.is_cpu or workspace.numel() < nbytes:
+        raise ValueError(f"workspace must be a CPU uint8 tensor of at least {nbytes} bytes, got "
+                         f"{workspace.dtype} with {workspace.numel()} elements on {workspace.device}")
+    return dense(workspace)
+
+
+def _layer_norm_run(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, y: Tensor, mean: Tensor, var: Tensor,
+                    m: int, n: int) -> None:
+    """The forward into contiguous y (m·n items), mean and var (m items each; zeros for rows of no columns)."""
+    kernel("layer_norm", (dense(x), dense(gamma), dense(beta)), (y, mean, var), (m, n), (float(epsilon),))
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
+               out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y[M,N] x.dtype, mean[M] fp32, variance[M] fp32)`` of the 2-D view x."""
+    m, n = x.shape
+    y = output(_outs(out, 0), (m, n), x.dtype)
+    mean = output(_outs(out, 1), (m,), torch.float32)
+    var = output(_outs(out, 2), (m,), torch.float32)
+    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, m, n)
+    return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
+
+
+def layer_norm_shaped(shape: LayerNormShape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """The op on x of any shape (see :mod:`gradops.ops._plan`): y of x's shape, mean and variance float32 of
+    ``x.shape[:-1]``."""
+    x = dense(x)
+    stat = x.shape[:-1]
+    y, mean, var = _pool.empty_like(x), _pool.empty(stat, torch.float32), _pool.empty(stat, torch.float32)
+    _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, shape.rows, shape.cols)
+    return y, mean, var
+
+
+def _layer_norm_grad_run(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float,
+                         pdx: Tensor, res: Tensor, m: int, n: int, check: bool) -> None:
+    """LayerNormGrad into contiguous pdx, res; with ``check``, a variance below -epsilon raises the contract's
+    OpError (161002) before anything is written (the kernel finds it)."""
+    variance = dense(variance.float())  # (M,) or the keepdim (M, 1): the kernel reads M values
+    inputs = (dense(dy), dense(x), variance, dense(mean.float()), dense(gamma))
+    if kernel("layer_norm_grad", inputs, (pdx, res), (m, n, int(check)), (float(epsilon),)) >= 0:
+        raise statistic_error("layer_norm_grad", "variance", variance, float(epsilon))
+
+
+def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float, *,
+                    out: tuple[Tensor, Tensor] | None = None, check_statistics: bool = False
+                    ) -> tuple[Tensor, Tensor]:
+    """AscendC LayerNormGrad on the 2-D views: ``(pdx, res_for_gamma)``, both in x's dtype. A variance below
+    -epsilon gives NaN rows as in AscendC, or with ``check_statistics`` raises the contract's OpError (161002)
+    before anything is written."""
+    m, n = x.shape
+    pdx = output(_outs(out, 0), (m, n), x.dtype)
+    res = output(_outs(out, 1), (m, n), x.dtype)
+    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, m, n, check_statistics)
+    return finish(pdx, _outs(out, 0)), finish(res, _outs(out, 1))
+
+
+def layer_norm_grad_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
+                           gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    """The op on its own shapes (see :func:`layer_norm_shaped`): pdx and res_for_gamma of x's shape; the
+    variance checked (as the public function promises)."""
+    x = dense(x)
+    pdx, res = _pool.empty_like(x), _pool.empty_like(x)
+    _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, shape.rows, shape.cols, True)
+    return pdx, res
+
+
+def layer_norm_grad_beta_workspace(res_for_gamma: Tensor, dy: Tensor) -> int:
+    """Bytes of the fp32 gamma and beta partials (one row each per row block)."""
+    return 2 * row_blocks(*dy.shape) * dy.shape[1] * 4
+
+
+def _grad_beta_run(res_for_gamma: Tensor, dy: Tensor, pd_gamma: Tensor, pd_beta: Tensor, m: int, n: int,
+                   workspace: Tensor | None) -> None:
+    """LayerNormGradBeta into contiguous pd_gamma, pd_beta (n items; zeros when m = 0)."""
+    ws = _workspace(workspace, 2 * row_blocks(m, n) * n * 4) if n else None
+    kernel("layer_norm_grad_beta", (dense(res_for_gamma), dense(dy), ws), (pd_gamma, pd_beta), (m, n))
+
+
+def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor, Tensor] | None = None,
+                         workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """AscendC LayerNormGradBeta: ``(pd_gamma[N], pd_beta[N])`` in the inputs' dtype, fp32 sums in fixed order."""
+    m, n = dy.shape
+    pd_gamma = output(_outs(out, 0), (n,), dy.dtype)
+    pd_beta = output(_outs(out, 1), (n,), dy.dtype)
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, m, n, workspace)
+    return finish(pd_gamma, _outs(out, 0)), finish(pd_beta, _outs(out, 1))
+
+
+def layer_norm_grad_beta_shaped(shape: LayerNormShape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """The op on its own shapes: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
+    n = shape.cols
+    pd_gamma, pd_beta = _pool.empty((n,), dy.dtype), _pool.empty((n,), dy.dtype)
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, shape.rows, n, None)
+    return pd_gamma, pd_beta
+
+
+def layer_norm_backward_workspace(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> int:
+    """Bytes of the fp32 dgamma and dbeta partials."""
+    return 2 * row_blocks(*x.shape) * x.shape[1] * 4
+
+
+def _backward_run(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, dx: Tensor, dgamma: Tensor,
+                  dbeta: Tensor, m: int, n: int, workspace: Tensor | None, check: bool) -> None:
+    """The fused backward into contiguous dx, dgamma, dbeta; with ``check``, a negative rstd raises the
+    contract's OpError (161002) before anything is written (the kernel finds it)."""
+    # rstd as the contract takes it: (M,), the keepdim (M, 1), or 0-d for a 1-D x; the kernel reads M values.
+    rstd = dense(rstd.float())
+    ws = _workspace(workspace, 2 * row_blocks(m, n) * n * 4) if m and n else None
+    inputs = (dense(dy), dense(x), dense(mean.float()), rstd, dense(gamma), ws)
+    if kernel("layer_norm_backward", inputs, (dx, dgamma, dbeta), (m, n, int(check))) >= 0:
+        raise statistic_error("layer_norm_backward", "rstd", rstd, 0.0)
+
+
+def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
+                        out: tuple[Tensor, Tensor, Tensor] | None = None, workspace: Tensor | None = None,
+                        check_statistics: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused LayerNorm backward on the 2-D views: ``(dx x.dtype, dgamma fp32, dbeta fp32)``, one pass over dy, x.
+    With ``check_statistics`` a negative rstd raises the contract's OpError (161002) before anything is written."""
+    m, n = x.shape
+    dx = output(_outs(out, 0), (m, n), x.dtype)
+    dgamma = output(_outs(out, 1), (n,), torch.float32)
+    dbeta = output(_outs(out, 2), (n,), torch.float32)
+    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, m, n, workspace, check_statistics)
+    return finish(dx, _outs(out, 0)), finish(dgamma, _outs(out, 1)), finish(dbeta, _outs(out, 2))
+
+
+def layer_norm_backward_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                               gamma: Tensor, *, check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """The op on its own shapes: dx of x's shape, dgamma and dbeta float32 of gamma's; rstd checked unless it comes
+    from this package's own forward (``check_statistics=False``: ``(variance + eps)^-0.5`` is never negative)."""
+    x = dense(x)
+    dx, dgamma, dbeta = (_pool.empty_like(x), _pool.empty(gamma.shape, torch.float32),
+                         _pool.empty(gamma.shape, torch.float32))
+    _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, shape.rows, shape.cols, None, check_statistics)
+    return dx, dgamma, dbeta
+
+# ---------------------------------------------------------------- the direct calls' programs
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+def _program_layer_norm(shape, x, gamma, beta, epsilon):
+    m, n = shape.rows, shape.cols
+    if not m or not n:
+        return None
+    p = Program()
+    stat = x.shape[:-1]
+    y, mean, var = p.output(x.shape, x.dtype), p.output(stat, torch.float32), p.output(stat, torch.float32)
+    p.kernel("layer_norm", [arg(0), arg(1), arg(2)], [y, mean, var], [m, n], [float(epsilon)])
+    return p.returns(y, mean, var)
+
+
+def _program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
+    m, n = shape
+    if not m or not n or variance.dtype != torch.float32 or mean.dtype != torch.float32:
+        return None
+    p = Program()
+    pdx, res = p.output(x.shape, x.dtype), p.output(x.shape, x.dtype)
+    # check = 1: a variance below -epsilon is refused before anything is computed (the call takes the Python path,
+    # which raises the op's OpError).
+    p.kernel("layer_norm_grad", [arg(0), arg(1), arg(2), arg(3), arg(4)], [pdx, res], [m, n, 1], [float(epsilon)])
+    return p.returns(pdx, res)
+
+
+def _program_layer_norm_grad_beta(shape, res_for_gamma, dy):
+    m, n = shape
+    if not m or not n:
+        return None
+    p = Program()
+    pd_gamma, pd_beta = p.output((n,), dy.dtype), p.output((n,), dy.dtype)
+    p.kernel("layer_norm_grad_beta", [arg(0), arg(1), None], [pd_gamma, pd_beta], [m, n])
+    return p.returns(pd_gamma, pd_beta)
+
+
+def _program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
+    m, n = shape
+    if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+        return None
+    p = Program()
+    dx = p.output(x.shape, x.dtype)
+    dgamma, dbeta = p.output(gamma.shape, torch.float32), p.output(gamma.shape, torch.float32)
+    # check = 1: a negative rstd is refused before anything is computed.
+    p.kernel("layer_norm_backward", [arg(0), arg(1), arg(2), arg(3), arg(4), None], [dx, dgamma, dbeta], [m, n, 1])
+    return p.returns(dx, dgamma, dbeta)
+
+
+#: op -> its program's builder, registered in programs.BUILDERS.
+PROGRAMS = {
+    "layer_norm": _program_layer_norm,
+    "layer_norm_grad": _program_layer_norm_grad,
+    "layer_norm_grad_beta": _program_layer_norm_grad_beta,
+    "layer_norm_backward": _program_layer_norm_backward,
+}
+BUILDERS.update(PROGRAMS)
