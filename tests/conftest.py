@@ -50,8 +50,11 @@ def decided(monkeypatch):
     from gradops import backend
 
     def use(name, module):
-        monkeypatch.setattr(backend, "decide", lambda op, device: backend.Choice(
-            name, getattr(module, op), getattr(module, f"{op}_workspace", None)))
+        def decide(op, device):  # op: a declaration (the call plans) or a name (the tools)
+            op = getattr(op, "name", op)
+            return backend.Choice(name, getattr(module, op), getattr(module, f"{op}_workspace", None))
+
+        monkeypatch.setattr(backend, "decide", decide)
         backend.forget()
 
     yield use

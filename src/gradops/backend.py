@@ -41,12 +41,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _runtime, native
+from . import _runtime, native, registry
 from ._compat import HAS_OPENMP
+from .spec import OpSpec
 from .status import ACLNN_ERR_INNER_FIND_KERNEL_ERROR, OpError
 
 ENV = "GRADOPS_BACKEND"
-#: backend name -> module whose functions carry the op names (``rms_norm_grad``, ...).
+#: backend name -> the package every family's implementation for it imports (what it shares: the CPU kernels'
+#: host side, which fails to import where the native extension cannot be had; the Triton launchers' common code,
+#: which needs triton). An op's implementation itself comes from its declaration (:attr:`OpSpec.providers`).
 MODULES = {"torch": "gradops.reference", "triton": "gradops.launch", "cpu": "gradops.cpu"}
 CHOICES = ("auto", *MODULES)
 _FIRST = {"cuda": "triton", "cpu": "cpu"}  # auto's first choice per device type
@@ -109,13 +112,14 @@ def _unavailable(op: str, name: str, message: str) -> BackendUnavailable:
 
 
 class Choice(NamedTuple):
-    """What :func:`decide` answers: the backend's name, its function for the op (on the contract's 2-D views),
-    and its workspace hook (``<op>_workspace`` on the backend module: same positional args, returns bytes) or
-    None."""
+    """What :func:`decide` answers: the backend's name and its :class:`~gradops.spec.Impl` of the op, unpacked:
+    its function on the contract's 2-D views, its workspace hook (same positional args, returns bytes) or None,
+    its shaped entry (``shaped(shape, *args)``: the op's own arguments and result shapes) or None."""
 
     name: str
     fn: Callable
     workspace: Callable | None
+    shaped: Callable | None = None
 
 
 def requested() -> str:
@@ -158,22 +162,39 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
-def _choice(op: str, name: str) -> Choice | None:
-    module = _module(name)
-    fn = getattr(module, op, None) if module is not None else None
-    return Choice(name, fn, getattr(module, f"{op}_workspace", None)) if fn is not None else None
+def _choice(op: OpSpec, name: str) -> Choice | None:
+    """Backend ``name``'s implementation of ``op``, as the op's declaration provides it, or None: the backend's
+    package cannot be imported here, the op declares no provider for it, or its provider's module fails to import
+    (the error is kept for the message that says why)."""
+    load = op.providers.get(name)
+    if load is None or _module(name) is None:
+        return None
+    try:
+        impl = load()
+    except ImportError as e:
+        _import_errors[name] = f"importing {op.name}'s {name} implementation failed: {e}"
+        return None
+    return Choice(name, impl.fn, impl.workspace, impl.shaped)
 
 
-def decide(op: str, device: torch.device) -> Choice:
-    """The backend that runs ``op`` for tensors on ``device`` (see the module docstring for the rules).
+def declared(op: OpSpec | str) -> OpSpec:
+    """``op``'s declaration: ``op`` itself, or the one declared under that name (the command line and the tools ask
+    by name; the ops' call plans hold their declarations)."""
+    return op if isinstance(op, OpSpec) else registry.spec(op)
+
+
+def decide(op: OpSpec | str, device: torch.device) -> Choice:
+    """The backend that runs ``op`` (its declaration, or its name) for tensors on ``device`` (see the module
+    docstring for the rules).
 
     Raises:
         BackendUnavailable: ``GRADOPS_BACKEND`` names no backend, or one that cannot run here.
     """
+    op = declared(op)
     try:
         name = requested()
     except ValueError as e:  # the same error as a backend that cannot run: 561003 on the CANN surfaces
-        raise _unavailable(op, os.environ.get(ENV, ""), f"{e} [{op}]") from None
+        raise _unavailable(op.name, os.environ.get(ENV, ""), f"{e} [{op.name}]") from None
     if name == "auto":
         first = _FIRST.get(device.type)
         chosen = _choice(op, first) if first and usable(first, device)[0] else None
@@ -183,9 +204,9 @@ def decide(op: str, device: torch.device) -> Choice:
         return _serially(chosen) if device.type == "cpu" and _forked_omp_child() else chosen
     ok, why = usable(name, device)
     if not ok:
-        raise BackendUnavailable(op, name, why)
+        raise BackendUnavailable(op.name, name, why)
     if name != "torch" and _module(name) is None:
-        raise BackendUnavailable(op, name, _import_errors.get(name, f"importing {MODULES[name]} failed"))
+        raise BackendUnavailable(op.name, name, _import_errors.get(name, f"importing {MODULES[name]} failed"))
     chosen = _choice(op, name) or _choice(op, "torch")  # an op the backend lacks is the reference's (documented)
     return _serially(chosen) if device.type == "cpu" and _forked_omp_child() else chosen
 
@@ -221,26 +242,33 @@ def forked_cpu_call(device: torch.device) -> bool:
     return device.type == "cpu" and _forked_omp_child()
 
 
-@cache
-def wide(op: str) -> Choice:
+_wide: dict[str, Choice] = {}
+
+
+def wide(op: OpSpec | str) -> Choice:
     """The backend of ``op`` for float64 inputs, on every device and whatever ``GRADOPS_BACKEND`` names: the
     pure-torch reference computing in float64. float64 is outside CANN's tables: the compiled CPU kernels and the
     Triton kernels do not implement it (as a backend that lacks an op leaves it to ``torch``), and a float32
     kernel would downcast. Only the PyTorch API gets here (the CANN surfaces refuse float64 in validation)."""
-    fn = getattr(_module("torch"), op)
-    if "compute" in inspect.signature(fn).parameters:  # moe_token_permute only moves rows: nothing to compute in
-        fn = functools.partial(fn, compute=torch.float64)
-    return Choice("torch", fn, None)
+    op = declared(op)
+    chosen = _wide.get(op.name)
+    if chosen is None:
+        fn = op.providers["torch"]().fn
+        if "compute" in inspect.signature(fn).parameters:  # moe_token_permute only moves rows: nothing to compute
+            fn = functools.partial(fn, compute=torch.float64)
+        chosen = _wide[op.name] = Choice("torch", fn, None)
+    return chosen
 
 
-def wide_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
+def wide_with_token(op: OpSpec | str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
     """:func:`wide` for tensors on ``device``, with what keeps it valid (as :func:`decide_with_token`): run on one
     torch thread in a child forked after GNU OpenMP ran (see :func:`_serially`). ``GRADOPS_BACKEND`` must still
     name a backend: a typo is refused here too (561003), as :func:`decide` refuses it."""
+    op = declared(op)
     try:
         requested()
     except ValueError as e:
-        raise _unavailable(op, os.environ.get(ENV, ""), f"{e} [{op}]") from None
+        raise _unavailable(op.name, os.environ.get(ENV, ""), f"{e} [{op.name}]") from None
     choice = wide(op)
     if device.type == "cpu" and _forked_omp_child():
         choice = _serially(choice)
@@ -248,7 +276,7 @@ def wide_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleT
     return choice, token, sys.modules.get(token)
 
 
-def select(op: str, device: torch.device) -> tuple[str, Callable]:
+def select(op: OpSpec | str, device: torch.device) -> tuple[str, Callable]:
     """``(backend name, implementation)`` of ``op`` for tensors on ``device`` (decided afresh)."""
     chosen = decide(op, device)
     return chosen.name, chosen.fn
@@ -270,15 +298,7 @@ def environment_key() -> tuple:
     return _getenv(_ENV_KEY), _getenv(_INTERPRET_KEY)
 
 
-def shaped(op: str, choice: Choice) -> Callable | None:
-    """The backend's shaped entry of ``op``, ``<op>_shaped(plan, *args)`` on its module, or None: the op's own
-    arguments in their own shapes plus the contract's plan, results in the op's shapes (see
-    :mod:`gradops.ops._plan`)."""
-    module = _module(choice.name)
-    return getattr(module, f"{op}_shaped", None) if module is not None else None
-
-
-def decide_with_token(op: str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
+def decide_with_token(op: OpSpec | str, device: torch.device) -> tuple[Choice, str, ModuleType | None]:
     """:func:`decide` and what keeps it valid: the name of the backend module it was decided for and that module
     as ``sys.modules`` holds it now. A cache of choices checks ``sys.modules.get(token) is module`` on a hit."""
     chosen = decide(op, device)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import backend, reference
+from . import backend
 from .cli_support import (
     DTYPE_HELP,
     DTYPE_METAVAR,
@@ -105,7 +105,7 @@ def check_one(op: str, dtype: torch.dtype, device: torch.device, name: str, m: i
         used = backend.decide(op, device).name  # what the op's call plan runs (ops/_plan.py)
         out = getattr(gradops, op)(*case.args)
     out = out if isinstance(out, tuple) else (out,)
-    oracle = getattr(reference, op)
+    oracle = spec(op).providers["torch"]().fn  # the pure-torch reference, the op's declared torch provider
     # in float64 where the reference computes (a permutation only moves values: it has no compute dtype)
     wide = {"compute": F64} if "compute" in inspect.signature(oracle).parameters else {}
     ref = oracle(*map(_f64, case.args), **wide)

@@ -97,6 +97,21 @@ class Golden:
 
 
 @dataclass(frozen=True)
+class Impl:
+    """One backend's implementation of an op: what :func:`gradops.backend.decide` hands the op's call plan.
+
+    ``fn(*views, out=None, workspace=None)``: the op on the 2-D views its contract answers (every backend has it).
+    ``shaped(shape, *args)``: the op on its own arguments in their own shapes, given the contract's answer ``shape``,
+    results in the op's shapes (the compiled CPU kernels take any contiguous shape by address), or None: the op's
+    adapter views the arguments for ``fn``. ``workspace(*views) -> bytes``: the scratch ``fn`` takes as
+    ``workspace=`` (aclnn phase 1 sizes it), or None: it takes none."""
+
+    fn: Callable[..., Any]
+    shaped: Callable[..., Any] | None = None
+    workspace: Callable[..., int] | None = None
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """One operator.
 
@@ -107,7 +122,10 @@ class OpSpec:
     (:func:`cann_arg`). ``example(m, n, dtype, device, gen)`` one call (:class:`Example`); ``bench`` its timing
     (:class:`Bench`); ``golden`` its CANN test case (:class:`Golden`); ``sharding(R, P, Shard)`` returns its
     DTensor rule (the strategies function ``register_sharding`` takes); ``node`` whether the native extension has
-    an autograd node for it (:func:`gradops.native.node`)."""
+    an autograd node for it (:func:`gradops.native.node`). ``providers``: backend name (``torch``, ``cpu``,
+    ``triton``) -> a loader of that backend's :class:`Impl` of the op; a loader imports the family's module for the
+    backend when first asked (ImportError: the backend cannot be had here), so that a declaration never loads a
+    kernel; a backend not listed leaves the op to ``torch`` (see :mod:`gradops.backend`)."""
 
     name: str
     cann: str
@@ -119,11 +137,19 @@ class OpSpec:
     cann_args: dict[str, str] = field(default_factory=dict)
     kernels: bool = True
     node: bool = False
+    providers: dict[str, Callable[[], Impl]] = field(default_factory=dict)
 
     @property
     def bench(self) -> str | None:
         """The ``gradops bench`` case that times the op (backward operators), or None."""
         return self.timing.case if self.timing is not None else None
+
+
+def provided(backends: dict[str, Callable[[], Any]], select: Callable[[Any], Impl]) -> dict[str, Callable[[], Impl]]:
+    """An op's ``providers`` where each backend's module of its family holds the op's :class:`Impl` under one name:
+    ``backends`` maps a backend to a loader of that module (``{"cpu": _cpu, ...}``), ``select(module)`` picks the
+    op's Impl there (``lambda m: m.RMS_NORM_GRAD``). Nothing is loaded until a backend is asked for."""
+    return {name: (lambda load=load: select(load())) for name, load in backends.items()}
 
 
 def cann_arg(spec: OpSpec, name: str) -> str:

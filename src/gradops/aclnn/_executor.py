@@ -205,7 +205,7 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
         if overlaps_itself(t):
             return _refuse(ACLNN_ERR_PARAM_INVALID, f"{op}: {name} must have one memory location per element, got "
                            f"strides {tuple(t.stride())} for shape {tuple(t.shape)}"), 0, None
-    name, fn, hook = choice
+    name, fn, hook = choice.name, choice.fn, choice.workspace
     try:
         scratch = int(hook(*size_args)) if hook is not None else 0
     except Exception as e:

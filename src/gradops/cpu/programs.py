@@ -1,12 +1,12 @@
 """The public functions' eager calls as programs the native extension replays (``direct.cpp``).
 
-After gradops' call plan validated a call and chose the CPU kernels, the op's builder (:data:`BUILDERS`: each family
-module's ``PROGRAMS``, beside its host entries, registered by :mod:`gradops.cpu`) describes what the Python path would
-do for the arguments' metadata: the outputs it allocates and the registered kernel it runs on them (native/kernels.h),
-with the call's integers and floats. A later call with the same metadata is one C++ call: the key, the allocations,
-the kernel. The kernel is the one the Python path runs, so the results are its bits (tests/test_direct_native.py). A
-kernel that finds a value the op refuses (an index outside the table, a negative variance) returns its position, and
-the call goes back to the Python path, which raises the op's OpError.
+After gradops' call plan validated a call and chose the CPU kernels, the op's builder (in its family's ``cpu.py``,
+beside its host entries; the op's call plan names it, :class:`gradops.ops._plan.Planner`) describes what the Python
+path would do for the arguments' metadata: the outputs it allocates and the registered kernel it runs on them
+(native/kernels.h), with the call's integers and floats. A later call with the same metadata is one C++ call: the
+key, the allocations, the kernel. The kernel is the one the Python path runs, so the results are its bits
+(tests/test_direct_native.py). A kernel that finds a value the op refuses (an index outside the table, a negative
+variance) returns its position, and the call goes back to the Python path, which raises the op's OpError.
 
 No program (None) where the Python path does something a program does not: statistics in a dtype the Python path
 first converts to float32, indices of a dtype it converts. Those calls keep the Python path.
@@ -14,8 +14,7 @@ first converts to float32, indices of a dtype it converts. Those calls keep the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -60,13 +59,3 @@ class Program:
 def arg(i: int) -> tuple[int, int]:
     """The call's i-th tensor argument (counted over tensors only) as a kernel input."""
     return INPUT, i
-
-
-#: op -> its builder ``(shape, *args) -> Program | None``; filled by gradops.cpu from the family modules' PROGRAMS.
-BUILDERS: dict[str, Callable[..., Program | None]] = {}
-
-
-def build(op: str, shape: Any, *args: Any) -> Program | None:
-    """The program of a call of ``op`` whose call plan answered ``shape`` (the contract's plan), or None: the call
-    keeps the Python path."""
-    return BUILDERS[op](shape, *args)

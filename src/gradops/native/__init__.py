@@ -51,7 +51,7 @@ _module: ModuleType | None = None
 _why: str = "not loaded yet"
 _tried = False
 _switched_off = False
-_registered: set[str] = set()
+_registered: set[int] = set()  # the ops (the extension's constants) whose Python backward is registered
 
 
 #: With torch's OpenMP backend, at::parallel_for is inlined into the extension as an OpenMP region: compiled with
@@ -457,25 +457,29 @@ def module() -> ModuleType | None:
     return _module
 
 
-def node(op: str, differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
-    """The extension's function for ``op`` (``hardswish``, ``layer_norm``, ``embedding``), or None when the native
-    nodes are not used here (see :func:`module`). ``differentiable(inputs, extra)`` is the op's Python backward, for
-    the backwards the kernels do not run (``create_graph=True``, a forked child, a gradient that is not a plain
+def node(select: Callable[[ModuleType], tuple[int, Callable]],
+         differentiable: Callable[[list[Tensor], object], Sequence[Tensor | None]]) -> Callable | None:
+    """An op's native autograd node function, or None when the native nodes are not used here (see
+    :func:`module`). ``select(ext)`` picks the extension's constant naming the op and its function
+    (``lambda ext: (ext.HARDSWISH, ext.hardswish)``). ``differentiable(inputs, extra)`` is the op's Python backward,
+    for the backwards the kernels do not run (``create_graph=True``, a forked child, a gradient that is not a plain
     tensor: see autograd.cpp), registered with the extension on first use."""
     ext = module()
     if ext is None:
         return None
+    op, fn = select(ext)
     if op not in _registered:
-        ext.set_differentiable(getattr(ext, op.upper()), differentiable)  # the extension's constant naming the op
+        ext.set_differentiable(op, differentiable)
         _registered.add(op)
-    return getattr(ext, op)
+    return fn
 
 
-def function(name: str) -> Callable | None:
-    """The extension's function ``name`` for the public functions' eager calls (``hardswish_backward``: the
-    registered kernel on torch's threads, no autograd), or None where :func:`node` would be None."""
+def function(select: Callable[[ModuleType], Callable]) -> Callable | None:
+    """The extension's function ``select(ext)`` for the public functions' eager calls (``lambda ext:
+    ext.hardswish_backward``: the registered kernel on torch's threads, no autograd), or None where :func:`node` would
+    be None."""
     ext = module()
-    return None if ext is None else getattr(ext, name)
+    return None if ext is None else select(ext)
 
 
 def status() -> str:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat, native
+from ..spec import OpSpec
 from ._sharding import ensure_registered
 
 try:  # loaded by torch itself; imported here so that the attribute walk below finds it
@@ -217,20 +218,25 @@ def fake_of(check: Callable[..., object], results: Callable[..., Any]) -> Callab
 
 
 class DirectOp:
-    """``torch.library.custom_op(name)`` over ``body``, callable like the op with an eager fast path.
+    """``torch.library.custom_op("gradops::<name>")`` over ``body`` for the op ``op`` declares, callable like the op
+    with an eager fast path.
 
     ``planner``: the op's call plan (a :class:`gradops.ops._plan.Planner`): its validation runs before the custom op
     on the paths that reach it (the op's schema would answer a None or a mistyped scalar with a bare RuntimeError
     before the body could raise OpError), and where its plans carry programs, the extension's direct path runs them
     (:meth:`direct`). ``results(shape, *args)``: what the op returns (see :mod:`gradops.ops._out`), from which its fake
     kernel is registered. ``register_autograd`` registers on the custom op and also builds the eager
-    ``torch.autograd.Function`` from the same pair of functions, so both paths share one formula.
+    ``torch.autograd.Function`` from the same pair of functions, so both paths share one formula. ``node(ext)``:
+    the extension's ``<op>_planned`` function (what a recorded call tries first, see :meth:`recorded`) where the op
+    has a native autograd node (``lambda ext: ext.hardswish_planned``), else None.
     """
 
-    def __init__(self, name: str, body: Callable[..., Any], planner: Any,
-                 results: Callable[..., Any] | None = None, node: bool = False) -> None:
+    def __init__(self, op: OpSpec, body: Callable[..., Any], planner: Any,
+                 results: Callable[..., Any] | None = None,
+                 node: Callable[[Any], Callable[..., Any]] | None = None) -> None:
         self.body = body
-        self.op = torch.library.custom_op(name, mutates_args=())(body)
+        self.spec = op
+        self.op = torch.library.custom_op(f"gradops::{op.name}", mutates_args=())(body)
         _compat.record_every_call(self.op)  # the profiler names gradops::<op> on torch 2.14 too
         if _compat.can_register_vmap(self.op):  # torch >= 2.5; without it torch.vmap refuses the op
             self.op.register_vmap(_sample_by_sample(self.op))
@@ -240,13 +246,13 @@ class DirectOp:
             self.op.register_fake(fake_of(planner.check, results))
         self.function: type[torch.autograd.Function] | None = None
         #: Whether the op has a native autograd node (:mod:`gradops.native`) that :meth:`recorded` calls.
-        self.node = node
+        self.node = node is not None
+        self._planned = node
         #: ``native(*args)``: what a recorded call tries first (:meth:`recorded` where the node returns the op's own
         #: results), else None. Set by the op's module.
         self.native: Callable[..., Any] | None = None
-        self._ext: tuple[Any, int, Any] | None = None  # (extension, the op's id in it, its <name>_planned or None)
-        name = body.__name__.removesuffix("_body").lstrip("_")
-        self.name = name
+        self._ext: tuple[Any, int, Any] | None = None  # (extension, the op's id in it, its <op>_planned or None)
+        name = self.name = op.name
 
         def no_derivative(ctx: Any, *grads: object) -> Any:
             raise RuntimeError(f"gradops.{name} has no derivative (the backward of a gradops backward is not "
@@ -267,7 +273,7 @@ class DirectOp:
             setup_context(ctx, args, output)
             return output
 
-        name = body.__name__.removesuffix("_body").lstrip("_")
+        name = self.name
         self.function = type(name, (torch.autograd.Function,),
                              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
         self.functorch = self._functorch_function(name, setup_context, backward)
@@ -357,7 +363,7 @@ class DirectOp:
         return plan.native(*args)
 
     def _extension(self) -> tuple[Any, int, Any] | None:
-        """The loaded extension, the op's id in its remembered calls and its ``<name>_planned`` (ids are per
+        """The loaded extension, the op's id in its remembered calls and its ``<op>_planned`` (ids are per
         extension: another one may have been loaded since, see gradops.native.reset), or None where the extension
         cannot take the call."""
         if self.planner.program is None or not _enabled or _is_compiling():
@@ -372,7 +378,7 @@ class DirectOp:
             return None
         known = self._ext
         if known is None or known[0] is not ext:
-            planned = getattr(ext, f"{self.name}_planned") if self.node else None
+            planned = self._planned(ext) if self._planned is not None else None
             known = self._ext = (ext, ext.direct_op(self.name), planned)
         return known
 

@@ -34,8 +34,9 @@ import torch
 
 from .. import _runtime
 from .._compat import is_compiling
-from ..backend import Choice, decide_with_token, environment_key, shaped, wide_with_token
+from ..backend import Choice, decide_with_token, declared, environment_key, wide_with_token
 from ..contract._memo import LIMIT, key_of
+from ..spec import OpSpec
 
 
 class CallPlan(NamedTuple):
@@ -63,18 +64,24 @@ def forget_all() -> None:
 
 
 class Planner:
-    """``planner(*args) -> CallPlan`` for one op: ``check(*args)`` then the backend for ``args[device_arg]``'s
-    device, remembered (see the module docstring). ``check`` must take the op's positional arguments only;
+    """``planner(*args) -> CallPlan`` for one op: ``check(*args)`` then the backend for ``args[device_arg]``'s device
+    (among the providers ``op``, the op's declaration or its name, lists), remembered (see the module docstring).
+    ``check`` must take the op's positional arguments only;
     ``adapter(fn, shape, *args)`` runs a backend's 2-D function ``fn`` on the op's arguments (views in, results
     back in the op's shapes); None for an op whose body calls ``backend.fn`` itself. ``values``: the positions of
     the arguments whose float64 dtype means "compute in float64" (default: every tensor argument; embedding's
     float64 indices are only indices). ``native(choice, shape, *args)``: the plan's ``native`` entry, asked only
-    for the compiled CPU backend. ``program``: the op's name in :mod:`gradops.cpu.programs` (see :meth:`program_of`)."""
+    for the compiled CPU backend. ``program``: a loader of the op's program builder, ``(shape, *args) ->
+    Program | None`` (:mod:`gradops.cpu.programs`), which lives in the family's CPU module and is loaded the
+    first time a plan chose the compiled CPU kernels (see :meth:`program_of`); None: no program."""
 
-    def __init__(self, op: str, check: Callable[..., Any], device_arg: int = 0,
+    def __init__(self, op: OpSpec | str, check: Callable[..., Any], device_arg: int = 0,
                  adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None,
-                 native: Callable[..., Any] | None = None, program: str | None = None) -> None:
-        self.op, self.check, self.device_arg, self.adapter, self.values = op, check, device_arg, adapter, values
+                 native: Callable[..., Any] | None = None,
+                 program: Callable[[], Callable[..., Any]] | None = None) -> None:
+        self.spec = declared(op)
+        self.op = self.spec.name
+        self.check, self.device_arg, self.adapter, self.values = check, device_arg, adapter, values
         self.native, self.program = native, program
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
         self._choices: dict[tuple, tuple[Choice, str, object]] = {}  # (environment, device type, float64)
@@ -117,7 +124,7 @@ class Planner:
         device = args[self.device_arg].device
         wide = self._float64(args)
         choice, token, module = self._choose(device, wide)
-        run = None if wide else shaped(self.op, choice)  # the float64 reference has no shaped entries
+        run = None if wide else choice.shaped  # the float64 reference has no shaped entries
         if run is None and self.adapter is not None:
             run = partial(self.adapter, choice.fn)
         entry = (self.native(choice, shape, *args) if native and self.native is not None and choice.name == "cpu"
@@ -131,7 +138,7 @@ class Planner:
         hit = self._choices.get(key)
         if hit is not None and sys.modules.get(hit[1]) is hit[2]:
             return hit
-        entry = (wide_with_token if wide else decide_with_token)(self.op, device)
+        entry = (wide_with_token if wide else decide_with_token)(self.spec, device)
         self._choices[key] = entry
         return entry
 
@@ -141,9 +148,7 @@ class Planner:
         another backend than the compiled CPU kernels, or the program does not apply."""
         if self.program is None or plan.backend.name != "cpu":
             return None
-        from ..cpu import programs  # the CPU backend's module: loaded once a plan chose it
-
-        return programs.build(self.program, plan.shape, *args)
+        return self.program()(plan.shape, *args)
 
     def _float64(self, args: tuple) -> bool:
         picked = args if self.values is None else [args[i] for i in self.values]

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from ...cpu import _pool
 from ...cpu._host import dense, finish, kernel, output
-from ...cpu.programs import BUILDERS, Program, arg
+from ...cpu.programs import Program, arg
+from ...spec import Impl
 from .contract import checked_indices, index_error
 
 
@@ -82,12 +83,13 @@ def embedding_dense_backward_shaped(shape: tuple[int, int], grad: Tensor, indice
 _DIRECT_INDICES = (torch.int64, torch.int32)
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
+# loads it): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not (indices of
 # another dtype than _DIRECT_INDICES: it converts them first).
 
 
-def _program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
+def program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
     """The lookup that nothing records: the native kernel ``embedding`` (the range test, then the rows, a copy of
     storage items: the bits of the Python path's index_select; padding and scaling only shape the backward). None
     for an empty result: the Python path's."""
@@ -99,7 +101,7 @@ def _program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
     return p.returns(out)
 
 
-def _program_embedding_dense_backward(shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+def program_embedding_dense_backward(shape, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     """The backward: the native kernel ``embedding_dense_backward`` (the sort, also the range test, then every row
     of the table once). None for no index, no column or no row: the Python path's."""
     n, e = shape
@@ -112,9 +114,9 @@ def _program_embedding_dense_backward(shape, grad, indices, num_weights, padding
     return p.returns(out)
 
 
-#: op -> its program's builder, registered in programs.BUILDERS.
-PROGRAMS = {
-    "embedding": _program_embedding,
-    "embedding_dense_backward": _program_embedding_dense_backward,
-}
-BUILDERS.update(PROGRAMS)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+EMBEDDING_DENSE_BACKWARD = Impl(embedding_dense_backward, shaped=embedding_dense_backward_shaped,
+                                workspace=embedding_dense_backward_workspace)

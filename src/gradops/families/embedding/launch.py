@@ -9,6 +9,7 @@ import triton
 from torch import Tensor
 
 from ...launch._common import carve, guard, launch, outputs, workspace_bytes
+from ...spec import Impl
 from .contract import index_error
 from .kernels import EmbeddingConfig, embedding_config, embedding_dense_backward_kernel
 
@@ -80,3 +81,8 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
 
 #: The range test above runs on every call (no host synchronisation): the ops layer skips its own for integer indices.
 embedding_dense_backward.tests_indices = True  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+EMBEDDING_DENSE_BACKWARD = Impl(embedding_dense_backward, workspace=embedding_dense_backward_workspace)

@@ -12,8 +12,16 @@ from ...ops._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, ow
 from ...ops._out import Result, check_out, run_into
 from ...ops._plan import Planner
 from ...status import ACLNN_ERR_INNER_NULLPTR, OpError
-from . import contract
+from . import contract, spec
 from .contract import checked_indices, flat_indices, no_padding_outside_table, out_dtypes
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 def _embedding_dense_backward_2d(fn, shape, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -30,9 +38,9 @@ def _embedding_dense_backward_2d(fn, shape, grad: Tensor, indices: Tensor, num_w
 
 
 # values=(0,): float64 indices are one of CANN's nine index dtypes, not a reason to compute in float64.
-plan_embedding_dense_backward = Planner("embedding_dense_backward", contract.check_embedding_dense_backward,
+plan_embedding_dense_backward = Planner(spec.EMBEDDING_DENSE_BACKWARD, contract.check_embedding_dense_backward,
                                         adapter=_embedding_dense_backward_2d, values=(0,),
-                                        program="embedding_dense_backward")
+                                        program=lambda: _cpu().program_embedding_dense_backward)
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -66,7 +74,7 @@ def _table_results(shape, grad: Tensor, indices: Tensor, num_weights: int, paddi
     return [((num_weights, grad.shape[-1]), grad.dtype, grad)]
 
 
-_embedding_dense_backward = DirectOp("gradops::embedding_dense_backward", _embedding_dense_backward_body,
+_embedding_dense_backward = DirectOp(spec.EMBEDDING_DENSE_BACKWARD, _embedding_dense_backward_body,
                                      plan_embedding_dense_backward, _table_results)
 
 
@@ -130,13 +138,13 @@ def _native_entry(choice, shape, weight: Tensor, indices: Tensor, padding_idx: i
     kernels ``embedding`` and ``embedding_dense_backward`` (embedding.cpp)."""
     if weight.dtype not in _NATIVE_VALUES or indices.dtype not in _NATIVE_INDICES:
         return None
-    return native.node("embedding", _differentiable_backward)
+    return native.node(lambda ext: (ext.EMBEDDING, ext.embedding), _differentiable_backward)
 
 
 # The lookup's plan: its check, the backend of the backward the node runs (float64 weight: none), and for a call
 # that nothing records the direct program "embedding" (the range test, then the rows: gradops.families.embedding.cpu).
-plan_embedding = Planner("embedding_dense_backward", contract.check_embedding, values=(0,), native=_native_entry,
-                         program="embedding")
+plan_embedding = Planner(spec.EMBEDDING_DENSE_BACKWARD, contract.check_embedding, values=(0,), native=_native_entry,
+                         program=lambda: _cpu().program_embedding)
 
 
 def _embedding_body(weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> Tensor:
@@ -159,7 +167,8 @@ def _lookup_results(shape, weight: Tensor, indices: Tensor, padding_idx: int, sc
     return [((*indices.shape, weight.shape[1]), weight.dtype, weight)]
 
 
-_embedding = DirectOp("gradops::embedding", _embedding_body, plan_embedding, _lookup_results, node=True)
+_embedding = DirectOp(spec.EMBEDDING, _embedding_body, plan_embedding, _lookup_results,
+                      node=lambda ext: ext.embedding_planned)
 
 
 def _embedding_setup(ctx, inputs, output):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...spec import Impl
 from .contract import index_error
 
 
@@ -39,3 +40,8 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     # one index after another, so each element is summed in index order, every run.
     out.index_add_(0, indices, g)
     return out.to(grad.dtype)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+EMBEDDING_DENSE_BACKWARD = Impl(embedding_dense_backward)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed
+from ...spec import Bench, Example, Golden, OpSpec, Timed, provided
 from . import reference
 
 aten = torch.ops.aten
@@ -112,14 +112,34 @@ def _backward_rule(R, P, Shard):
     return rule
 
 
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("embedding_dense_backward", "aclnnEmbeddingDenseBackward", True, example=_backward_example,
            golden=Golden(("out",), ("num_weights", "padding_idx", "scale_grad_by_freq", "index_dtype"),
                          _golden_inputs, oracle=_oracle, peer=_peer,
                          index_dtypes=("int64", "int32", "int16", "int8", "uint8", "bool", "float64", "float32",
                                        "float16")),
-           timing=BENCH, sharding=_backward_rule),
-    # the lookup is a gather with its backward attached: no backend implements it
+           timing=BENCH, sharding=_backward_rule,
+           providers=provided(_BACKENDS, lambda m: m.EMBEDDING_DENSE_BACKWARD)),
     OpSpec("embedding", "aclnnEmbedding", False, example=_lookup_example, sharding=_lookup_rule, kernels=False,
            node=True),
 )
+EMBEDDING_DENSE_BACKWARD, EMBEDDING = SPECS

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ...cpu import _pool
 from ...cpu._host import kernel
-from ...cpu.programs import BUILDERS, Program, arg
+from ...cpu.programs import Program, arg
+from ...spec import Impl
 
 
 def _dense(t: Tensor) -> bool:
@@ -80,9 +81,10 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = N
     return buf
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
+# loads it): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_hardswish(shape, x):
+def program_hardswish(shape, x):
     if not x.numel():
         return None
     p = Program()
@@ -91,7 +93,7 @@ def _program_hardswish(shape, x):
     return p.returns(y)
 
 
-def _program_hardswish_backward(shape, grad_output, x):
+def program_hardswish_backward(shape, grad_output, x):
     if not x.numel():
         return None
     p = Program()
@@ -100,9 +102,9 @@ def _program_hardswish_backward(shape, grad_output, x):
     return p.returns(dx)
 
 
-#: op -> its program's builder, registered in programs.BUILDERS.
-PROGRAMS = {
-    "hardswish": _program_hardswish,
-    "hardswish_backward": _program_hardswish_backward,
-}
-BUILDERS.update(PROGRAMS)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+HARDSWISH = Impl(hardswish)
+HARDSWISH_BACKWARD = Impl(hardswish_backward)

@@ -7,6 +7,7 @@ import triton
 from torch import Tensor
 
 from ...launch._common import launch, outputs
+from ...spec import Impl
 from .kernels import FLAT_BLOCK, FLAT_WARPS, hardswish_flat_kernel, hardswish_strided_kernel, strided_blocks
 
 #: Dims the strided kernel indexes (after coalescing); rarer layouts fall back to contiguous copies.
@@ -97,3 +98,9 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = N
         A new tensor of x's shape and dtype (x's strides when x is dense, else contiguous).
     """
     return _run(grad_output, x, out)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+HARDSWISH = Impl(hardswish)
+HARDSWISH_BACKWARD = Impl(hardswish_backward)

@@ -9,26 +9,35 @@ from ...ops._direct import DirectOp, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
 from ...ops._out import Result, into
 from ...ops._plan import Planner
-from . import contract, reference
+from . import contract, reference, spec
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 def _native_entry(choice, shape, x: Tensor):
     """The native Hardswish node, or None (see :mod:`gradops.native`): it runs the extension's registered
     ``hardswish`` / ``hardswish_backward`` kernels (and records nothing where autograd does not record the call:
     the op's body runs it too)."""
-    return native.node("hardswish", _differentiable_backward)
+    return native.node(lambda ext: (ext.HARDSWISH, ext.hardswish), _differentiable_backward)
 
 
 def _backward_entry(choice, shape, grad_output: Tensor, self: Tensor):
     """The extension's ``hardswish_backward`` (the registered kernel on torch's threads), or None (see
     :func:`gradops.native.function`)."""
-    return native.function("hardswish_backward")
+    return native.function(lambda ext: ext.hardswish_backward)
 
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
-plan_hardswish = Planner("hardswish", contract.check_hardswish, native=_native_entry, program="hardswish")
-plan_hardswish_backward = Planner("hardswish_backward", contract.check_hardswish_backward, device_arg=1,
-                                  native=_backward_entry, program="hardswish_backward")
+plan_hardswish = Planner(spec.HARDSWISH, contract.check_hardswish, native=_native_entry,
+                         program=lambda: _cpu().program_hardswish)
+plan_hardswish_backward = Planner(spec.HARDSWISH_BACKWARD, contract.check_hardswish_backward, device_arg=1,
+                                  native=_backward_entry, program=lambda: _cpu().program_hardswish_backward)
 
 
 def _results(shape, *args: Tensor) -> list[Result]:
@@ -48,7 +57,7 @@ def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
     return _run(plan_hardswish_backward(grad_output, self), grad_output, self)
 
 
-_hardswish_backward = DirectOp("gradops::hardswish_backward", _hardswish_backward_body, plan_hardswish_backward,
+_hardswish_backward = DirectOp(spec.HARDSWISH_BACKWARD, _hardswish_backward_body, plan_hardswish_backward,
                                _results)
 
 
@@ -70,7 +79,7 @@ def _hardswish_body(self: Tensor) -> Tensor:
     return _run(plan_hardswish(self), self)
 
 
-_hardswish = DirectOp("gradops::hardswish", _hardswish_body, plan_hardswish, _results, node=True)
+_hardswish = DirectOp(spec.HARDSWISH, _hardswish_body, plan_hardswish, _results, node=lambda ext: ext.hardswish_planned)
 
 
 def _setup(ctx, inputs, output):

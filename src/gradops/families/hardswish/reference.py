@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...spec import Impl
+
 #: float32(1/3) = 0.33333334f, the constant CANN's kernels multiply by (docs/semantics.md §3).
 ONE_THIRD = 0.3333333432674408
 
@@ -26,3 +28,9 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, compute: torch.dtype = to
     third = ONE_THIRD if compute != torch.float64 else 1.0 / 3.0
     out = torch.where(xf < -3.0, torch.zeros_like(gf), torch.where(xf <= 3.0, gf * (xf * third + 0.5), gf))
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+HARDSWISH = Impl(hardswish)
+HARDSWISH_BACKWARD = Impl(hardswish_backward)

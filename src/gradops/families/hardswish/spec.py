@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed
+from ...spec import Bench, Example, Golden, OpSpec, Timed, provided
 from . import reference
 
 aten = torch.ops.aten
@@ -81,11 +81,33 @@ def _backward_rule(R, P, Shard):
     return rule
 
 
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("hardswish", "aclnnHardswish", False, example=_example("hardswish"),
            golden=Golden(("out",), (), _golden_inputs("hardswish"), peer=_hardswish_peer), sharding=_rule,
-           node=True),
+           node=True,
+           providers=provided(_BACKENDS, lambda m: m.HARDSWISH)),
     OpSpec("hardswish_backward", "aclnnHardswishBackward", True, example=_example("hardswish_backward"),
            golden=Golden(("out",), (), _golden_inputs("hardswish_backward"), peer=_backward_peer),
-           timing=BENCH, sharding=_backward_rule),
+           timing=BENCH, sharding=_backward_rule,
+           providers=provided(_BACKENDS, lambda m: m.HARDSWISH_BACKWARD)),
 )
+HARDSWISH, HARDSWISH_BACKWARD = SPECS

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ...cpu import _pool
 from ...cpu._host import dense, finish, kernel, output, row_blocks
-from ...cpu.programs import BUILDERS, Program, arg
+from ...cpu.programs import Program, arg
+from ...spec import Impl
 from .contract import LayerNormShape, statistic_error
 
 
@@ -166,9 +167,10 @@ def layer_norm_backward_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, mea
     return dx, dgamma, dbeta
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
+# loads it): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_layer_norm(shape, x, gamma, beta, epsilon):
+def program_layer_norm(shape, x, gamma, beta, epsilon):
     m, n = shape.rows, shape.cols
     if not m or not n:
         return None
@@ -179,7 +181,7 @@ def _program_layer_norm(shape, x, gamma, beta, epsilon):
     return p.returns(y, mean, var)
 
 
-def _program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
+def program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
     m, n = shape
     if not m or not n or variance.dtype != torch.float32 or mean.dtype != torch.float32:
         return None
@@ -191,7 +193,7 @@ def _program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
     return p.returns(pdx, res)
 
 
-def _program_layer_norm_grad_beta(shape, res_for_gamma, dy):
+def program_layer_norm_grad_beta(shape, res_for_gamma, dy):
     m, n = shape
     if not m or not n:
         return None
@@ -201,7 +203,7 @@ def _program_layer_norm_grad_beta(shape, res_for_gamma, dy):
     return p.returns(pd_gamma, pd_beta)
 
 
-def _program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
+def program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
     m, n = shape
     if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
         return None
@@ -213,11 +215,13 @@ def _program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
     return p.returns(dx, dgamma, dbeta)
 
 
-#: op -> its program's builder, registered in programs.BUILDERS.
-PROGRAMS = {
-    "layer_norm": _program_layer_norm,
-    "layer_norm_grad": _program_layer_norm_grad,
-    "layer_norm_grad_beta": _program_layer_norm_grad_beta,
-    "layer_norm_backward": _program_layer_norm_backward,
-}
-BUILDERS.update(PROGRAMS)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+LAYER_NORM = Impl(layer_norm, shaped=layer_norm_shaped)
+LAYER_NORM_GRAD = Impl(layer_norm_grad, shaped=layer_norm_grad_shaped)
+LAYER_NORM_GRAD_BETA = Impl(layer_norm_grad_beta, shaped=layer_norm_grad_beta_shaped,
+                            workspace=layer_norm_grad_beta_workspace)
+LAYER_NORM_BACKWARD = Impl(layer_norm_backward, shaped=layer_norm_backward_shaped,
+                           workspace=layer_norm_backward_workspace)

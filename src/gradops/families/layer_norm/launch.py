@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ...kernels.common import RowConfig, persistent_programs, row_config
 from ...launch._common import carve, launch, outputs, reduce_partials, sm_count, unit_stride_rows, workspace_bytes
+from ...spec import Impl
 from .kernels import (
     grad_beta_config,
     layer_norm_bwd_kernel,
@@ -171,3 +172,11 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, workspace: Tensor
     if scratch:
         reduce_partials(pg, pd_gamma, pb, pd_beta, splits, n)
     return pd_gamma, pd_beta
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+LAYER_NORM = Impl(layer_norm)
+LAYER_NORM_GRAD = Impl(layer_norm_grad)
+LAYER_NORM_GRAD_BETA = Impl(layer_norm_grad_beta, workspace=layer_norm_grad_beta_workspace)
+LAYER_NORM_BACKWARD = Impl(layer_norm_backward, workspace=layer_norm_backward_workspace)

@@ -13,8 +13,16 @@ from ...ops._direct import BODY, DirectOp, _records, eager_path, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
 from ...ops._out import Result, into
 from ...ops._plan import Planner
-from . import contract, reference
+from . import contract, reference, spec
 from .contract import checked_statistic
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 # What each op returns and what its backends take (2-D views), declared once: the fake kernels, out= and the
@@ -68,11 +76,11 @@ def _native_entry(choice, shape, x: Tensor, gamma: Tensor, beta: Tensor, *epsilo
     registered layer_norm kernels (layer_norm.cpp)."""
     if not shape.rows or not shape.cols:
         return None
-    return native.node("layer_norm", _differentiable_backward)
+    return native.node(lambda ext: (ext.LAYER_NORM, ext.layer_norm), _differentiable_backward)
 
 
-plan_layer_norm = Planner("layer_norm", contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
-                          program="layer_norm")
+plan_layer_norm = Planner(spec.LAYER_NORM, contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
+                          program=lambda: _cpu().program_layer_norm)
 
 
 def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,7 +89,8 @@ def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> 
 
 
 # node: the module's call (layer_norm_output) takes the native node, which returns y alone
-_layer_norm = DirectOp("gradops::layer_norm", _layer_norm_body, plan_layer_norm, _results, node=True)
+_layer_norm = DirectOp(spec.LAYER_NORM, _layer_norm_body, plan_layer_norm, _results,
+                       node=lambda ext: ext.layer_norm_planned)
 
 
 def _layer_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -92,8 +101,8 @@ def _layer_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, variance: Tensor, mean
     return own(fit(pdx, x.shape), fit(res, x.shape))
 
 
-plan_layer_norm_grad = Planner("layer_norm_grad", contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d,
-                               program="layer_norm_grad")
+plan_layer_norm_grad = Planner(spec.LAYER_NORM_GRAD, contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d,
+                               program=lambda: _cpu().program_layer_norm_grad)
 
 
 def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
@@ -102,7 +111,7 @@ def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
     return plan.run(plan.shape, dy, x, variance, mean, gamma, epsilon)
 
 
-_layer_norm_grad = DirectOp("gradops::layer_norm_grad", _layer_norm_grad_body, plan_layer_norm_grad,
+_layer_norm_grad = DirectOp(spec.LAYER_NORM_GRAD, _layer_norm_grad_body, plan_layer_norm_grad,
                             _grad_results)
 
 
@@ -110,8 +119,9 @@ def _layer_norm_grad_beta_2d(fn, shape, res_for_gamma: Tensor, dy: Tensor) -> tu
     return own(*fn(*_beta_views(shape, res_for_gamma, dy)))
 
 
-plan_layer_norm_grad_beta = Planner("layer_norm_grad_beta", contract.check_layer_norm_grad_beta, device_arg=1,
-                                    adapter=_layer_norm_grad_beta_2d, program="layer_norm_grad_beta")
+plan_layer_norm_grad_beta = Planner(spec.LAYER_NORM_GRAD_BETA, contract.check_layer_norm_grad_beta, device_arg=1,
+                                    adapter=_layer_norm_grad_beta_2d,
+                                    program=lambda: _cpu().program_layer_norm_grad_beta)
 
 
 def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,7 +129,7 @@ def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tenso
     return plan.run(plan.shape, res_for_gamma, dy)
 
 
-_layer_norm_grad_beta = DirectOp("gradops::layer_norm_grad_beta", _layer_norm_grad_beta_body,
+_layer_norm_grad_beta = DirectOp(spec.LAYER_NORM_GRAD_BETA, _layer_norm_grad_beta_body,
                                  plan_layer_norm_grad_beta, _beta_results)
 
 
@@ -131,8 +141,8 @@ def _layer_norm_backward_2d(fn, shape, dy: Tensor, x: Tensor, mean: Tensor, rstd
     return own(fit(dx, x.shape), dgamma, dbeta)
 
 
-plan_layer_norm_backward = Planner("layer_norm_backward", contract.check_layer_norm_backward,
-                                   adapter=_layer_norm_backward_2d, program="layer_norm_backward")
+plan_layer_norm_backward = Planner(spec.LAYER_NORM_BACKWARD, contract.check_layer_norm_backward,
+                                   adapter=_layer_norm_backward_2d, program=lambda: _cpu().program_layer_norm_backward)
 
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -141,7 +151,7 @@ def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     return plan.run(plan.shape, dy, x, mean, rstd, gamma)
 
 
-_layer_norm_backward = DirectOp("gradops::layer_norm_backward", _layer_norm_backward_body,
+_layer_norm_backward = DirectOp(spec.LAYER_NORM_BACKWARD, _layer_norm_backward_body,
                                 plan_layer_norm_backward, _backward_results)
 
 

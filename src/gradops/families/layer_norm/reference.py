@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...spec import Impl
+
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float,
                compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
@@ -83,3 +85,11 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     dyf = dy.to(compute)
     out = torch.promote_types(torch.float32, compute)
     return pd_x.to(x.dtype).contiguous(), (dyf * xhat).sum(dim=0).to(out), dyf.sum(dim=0).to(out)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+LAYER_NORM = Impl(layer_norm)
+LAYER_NORM_GRAD = Impl(layer_norm_grad)
+LAYER_NORM_GRAD_BETA = Impl(layer_norm_grad_beta)
+LAYER_NORM_BACKWARD = Impl(layer_norm_backward)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, rows_shardable
+from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, provided, rows_shardable
 from . import reference
 
 EPS = 1e-5
@@ -178,21 +178,44 @@ def _grad_beta_rule(R, P, Shard):
     return rule
 
 
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("layer_norm", "AscendC LayerNorm", False, example=_example("layer_norm"),
            golden=Golden(("y", "mean", "variance"), ("epsilon", "gamma_dtype"), _golden_inputs("layer_norm"),
                          peer=_layer_norm_peer),
-           sharding=_layer_norm_rule, node=True),
-    # CANN's pair runs as one bench case: LayerNormGradBeta consumes LayerNormGrad's resForGamma
+           sharding=_layer_norm_rule, node=True,
+           providers=provided(_BACKENDS, lambda m: m.LAYER_NORM)),
     OpSpec("layer_norm_grad", "AscendC LayerNormGrad", True, example=_example("layer_norm_grad"),
            golden=Golden(("pd_x", "res_for_gamma"), ("epsilon", "stat_dtype", "gamma_dtype"),
                          _golden_inputs("layer_norm_grad"), peer=_backward_peer("layer_norm_grad")),
-           timing=PAIR, sharding=_grad_rule),
+           timing=PAIR, sharding=_grad_rule,
+           providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_GRAD)),
     OpSpec("layer_norm_grad_beta", "AscendC LayerNormGradBeta", True, example=_example("layer_norm_grad_beta"),
            golden=Golden(("pd_gamma", "pd_beta"), ("epsilon",), _golden_inputs("layer_norm_grad_beta")),
-           timing=PAIR, sharding=_grad_beta_rule),
+           timing=PAIR, sharding=_grad_beta_rule,
+           providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_GRAD_BETA)),
     OpSpec("layer_norm_backward", "aclnnLayerNormBackward", True, example=_example("layer_norm_backward"),
            golden=Golden(("dx", "dgamma", "dbeta"), ("epsilon", "gamma_dtype"), _golden_inputs("layer_norm_backward"),
                          peer=_backward_peer("layer_norm_backward")),
-           timing=BACKWARD, sharding=_backward_rule),
+           timing=BACKWARD, sharding=_backward_rule,
+           providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_BACKWARD)),
 )
+LAYER_NORM, LAYER_NORM_GRAD, LAYER_NORM_GRAD_BETA, LAYER_NORM_BACKWARD = SPECS

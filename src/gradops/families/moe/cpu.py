@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ...cpu._host import dense, finish, kernel, output
-from ...cpu.programs import BUILDERS, Program, arg
+from ...cpu.programs import Program, arg
+from ...spec import Impl
 from . import routing_reference as routing
 from .contract import (
     MoeShape,
@@ -255,9 +256,10 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
 
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
+# loads it): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mode):
+def program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mode):
     if not indices.numel() or tokens.dim() != 2:
         return None
     p = Program()
@@ -266,7 +268,7 @@ def _program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mo
     return p.returns(out, inverse)
 
 
-def _program_moe_token_permute_grad(shape, grad, sorted_indices, num_topk, padded_mode):
+def program_moe_token_permute_grad(shape, grad, sorted_indices, num_topk, padded_mode):
     tokens, h = sorted_indices.numel() // num_topk, grad.shape[1]
     if not tokens or not h:
         return None
@@ -276,7 +278,7 @@ def _program_moe_token_permute_grad(shape, grad, sorted_indices, num_topk, padde
     return p.returns(out)
 
 
-def _program_moe_token_unpermute(shape, permuted_tokens, sorted_indices, probs, padded_mode):
+def program_moe_token_unpermute(shape, permuted_tokens, sorted_indices, probs, padded_mode):
     h = permuted_tokens.shape[1]
     tokens = sorted_indices.numel() // (1 if probs is None else probs.shape[1])
     if not tokens or not h:
@@ -287,7 +289,7 @@ def _program_moe_token_unpermute(shape, permuted_tokens, sorted_indices, probs, 
     return p.returns(out)
 
 
-def _program_moe_token_unpermute_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
+def program_moe_token_unpermute_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode):
     tokens = grad_unpermuted.shape[0]
     if not tokens or not permuted_tokens.shape[1]:
         return None
@@ -316,7 +318,7 @@ def _routing_program(name: str, inputs: list, outputs: list, ints: list) -> Prog
     return p.returns(*made)
 
 
-def _program_permute_with_routing_map(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+def program_moe_token_permute_with_routing_map(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad):
     if not shape.tokens or not shape.hidden or not shape.per:
         return None
     return _routing_program("moe_token_permute_with_routing_map", _slots(tokens, routing_map, probs),
@@ -325,7 +327,7 @@ def _program_permute_with_routing_map(shape, tokens, routing_map, probs, num_out
                              ((shape.rows,), torch.int32)], [shape.per, int(drop_and_pad)])
 
 
-def _program_permute_with_routing_map_grad(shape, grad, grad_probs, sorted_indices, routing_map, num_experts,
+def program_moe_token_permute_with_routing_map_grad(shape, grad, grad_probs, sorted_indices, routing_map, num_experts,
                                            num_tokens, drop_and_pad):
     if not num_tokens or not shape.hidden or not sorted_indices.numel():
         return None
@@ -337,8 +339,8 @@ def _program_permute_with_routing_map_grad(shape, grad, grad_probs, sorted_indic
                             [num_experts, num_tokens, int(drop_and_pad)])
 
 
-def _program_unpermute_with_routing_map(shape, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
-                                        drop_and_pad):
+def program_moe_token_unpermute_with_routing_map(shape, permuted_tokens, sorted_indices, restore_shape, probs,
+                                                 routing_map, drop_and_pad):
     if not shape.tokens or not shape.hidden or not sorted_indices.numel():
         return None
     return _routing_program("moe_token_unpermute_with_routing_map",
@@ -347,7 +349,7 @@ def _program_unpermute_with_routing_map(shape, permuted_tokens, sorted_indices, 
                             [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
 
 
-def _program_unpermute_with_routing_map_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs,
+def program_moe_token_unpermute_with_routing_map_grad(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs,
                                              routing_map, drop_and_pad):
     if not shape.tokens or not shape.hidden or not sorted_indices.numel():
         return None
@@ -358,15 +360,15 @@ def _program_unpermute_with_routing_map_grad(shape, permuted_tokens, grad_unperm
                             [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
 
 
-#: op -> its program's builder, registered in programs.BUILDERS.
-PROGRAMS = {
-    "moe_token_permute": _program_moe_token_permute,
-    "moe_token_permute_grad": _program_moe_token_permute_grad,
-    "moe_token_unpermute": _program_moe_token_unpermute,
-    "moe_token_unpermute_grad": _program_moe_token_unpermute_grad,
-    "moe_token_permute_with_routing_map": _program_permute_with_routing_map,
-    "moe_token_permute_with_routing_map_grad": _program_permute_with_routing_map_grad,
-    "moe_token_unpermute_with_routing_map": _program_unpermute_with_routing_map,
-    "moe_token_unpermute_with_routing_map_grad": _program_unpermute_with_routing_map_grad,
-}
-BUILDERS.update(PROGRAMS)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+MOE_TOKEN_PERMUTE = Impl(moe_token_permute, shaped=moe_token_permute_shaped)
+MOE_TOKEN_PERMUTE_GRAD = Impl(moe_token_permute_grad, shaped=moe_token_permute_grad_shaped)
+MOE_TOKEN_UNPERMUTE = Impl(moe_token_unpermute, shaped=moe_token_unpermute_shaped)
+MOE_TOKEN_UNPERMUTE_GRAD = Impl(moe_token_unpermute_grad, shaped=moe_token_unpermute_grad_shaped)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = Impl(moe_token_permute_with_routing_map)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_permute_with_routing_map_grad)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = Impl(moe_token_unpermute_with_routing_map)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_unpermute_with_routing_map_grad)

@@ -8,6 +8,7 @@ import triton
 from torch import Tensor
 
 from ...launch._common import carve, guard, launch, outputs, workspace_bytes
+from ...spec import Impl
 from . import routing_reference as routing
 from .contract import expert_id_error, negative_id_error, permutation_error, sorted_index_error
 from .kernels import (
@@ -195,3 +196,15 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
 (moe_token_permute_with_routing_map, moe_token_permute_with_routing_map_grad, moe_token_unpermute_with_routing_map,
  moe_token_unpermute_with_routing_map_grad) = routing.ops_on(routing.Kernels(
     moe_token_permute, moe_token_permute_grad, moe_token_unpermute, moe_token_unpermute_grad))
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+MOE_TOKEN_PERMUTE = Impl(moe_token_permute, workspace=moe_token_permute_workspace)
+MOE_TOKEN_PERMUTE_GRAD = Impl(moe_token_permute_grad)
+MOE_TOKEN_UNPERMUTE = Impl(moe_token_unpermute)
+MOE_TOKEN_UNPERMUTE_GRAD = Impl(moe_token_unpermute_grad)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = Impl(moe_token_permute_with_routing_map)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_permute_with_routing_map_grad)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = Impl(moe_token_unpermute_with_routing_map)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_unpermute_with_routing_map_grad)

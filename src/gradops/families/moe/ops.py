@@ -12,8 +12,16 @@ from ...ops._direct import BODY, DirectOp, eager_path, own
 from ...ops._double import reference_derivative
 from ...ops._out import Result, into
 from ...ops._plan import Planner
-from . import contract, reference
+from . import contract, reference, spec
 from .contract import check_restore_shape
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 # What each op returns and what its backends take, declared once: the fake kernels, out= and the adapters follow
@@ -68,8 +76,8 @@ def _permute_grad_2d(fn, shape, permuted_output_grad: Tensor, sorted_indices: Te
     return own(fn(*_permute_grad_views(shape, permuted_output_grad, sorted_indices, num_topk), trusted=checked))
 
 
-plan_moe_token_permute_grad = Planner("moe_token_permute_grad", contract.check_moe_token_permute_grad,
-                                      adapter=_permute_grad_2d, program="moe_token_permute_grad")
+plan_moe_token_permute_grad = Planner(spec.MOE_TOKEN_PERMUTE_GRAD, contract.check_moe_token_permute_grad,
+                                      adapter=_permute_grad_2d, program=lambda: _cpu().program_moe_token_permute_grad)
 
 
 def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -78,7 +86,7 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
     return plan.run(plan.shape, permuted_output_grad, sorted_indices, num_topk, padded_mode)
 
 
-_moe_token_permute_grad = DirectOp("gradops::moe_token_permute_grad", _moe_token_permute_grad_body,
+_moe_token_permute_grad = DirectOp(spec.MOE_TOKEN_PERMUTE_GRAD, _moe_token_permute_grad_body,
                                    plan_moe_token_permute_grad, _permute_grad_results)
 # Linear in the gradient: its derivative (a second backward of moe_token_permute) is the reference's.
 _backward_of, _setup_of = reference_derivative(
@@ -91,8 +99,8 @@ def _permute_2d(fn, shape, tokens: Tensor, indices: Tensor, num_out_tokens: int 
     return own(*fn(*_permute_views(shape, tokens, indices, num_out_tokens, padded_mode)))
 
 
-plan_moe_token_permute = Planner("moe_token_permute", contract.check_moe_token_permute, adapter=_permute_2d,
-                                 program="moe_token_permute")
+plan_moe_token_permute = Planner(spec.MOE_TOKEN_PERMUTE, contract.check_moe_token_permute, adapter=_permute_2d,
+                                 program=lambda: _cpu().program_moe_token_permute)
 
 
 def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
@@ -101,7 +109,7 @@ def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int
     return plan.run(plan.shape, tokens, indices, num_out_tokens, padded_mode)
 
 
-_moe_token_permute = DirectOp("gradops::moe_token_permute", _moe_token_permute_body,
+_moe_token_permute = DirectOp(spec.MOE_TOKEN_PERMUTE, _moe_token_permute_body,
                               plan_moe_token_permute, _permute_results)
 
 
@@ -190,8 +198,8 @@ def _unpermute_2d(fn, shape, permuted_tokens: Tensor, sorted_indices: Tensor, pr
     return own(fn(*_unpermute_views(shape, permuted_tokens, sorted_indices, probs)))  # it checks the permutation
 
 
-plan_moe_token_unpermute = Planner("moe_token_unpermute", contract.check_moe_token_unpermute, adapter=_unpermute_2d,
-                                   program="moe_token_unpermute")
+plan_moe_token_unpermute = Planner(spec.MOE_TOKEN_UNPERMUTE, contract.check_moe_token_unpermute, adapter=_unpermute_2d,
+                                   program=lambda: _cpu().program_moe_token_unpermute)
 
 
 def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
@@ -200,7 +208,7 @@ def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, p
     return plan.run(plan.shape, permuted_tokens, sorted_indices, probs, padded_mode)
 
 
-_moe_token_unpermute = DirectOp("gradops::moe_token_unpermute", _moe_token_unpermute_body,
+_moe_token_unpermute = DirectOp(spec.MOE_TOKEN_UNPERMUTE, _moe_token_unpermute_body,
                                 plan_moe_token_unpermute, _unpermute_results)
 
 
@@ -218,11 +226,12 @@ def _unpermute_grad_2d(fn, shape, permuted_tokens: Tensor, grad_unpermuted: Tens
                    trusted=trusted))
 
 
-plan_moe_token_unpermute_grad = Planner("moe_token_unpermute_grad", contract.check_moe_token_unpermute_grad,
-                                        adapter=_unpermute_grad_2d, program="moe_token_unpermute_grad")
+plan_moe_token_unpermute_grad = Planner(spec.MOE_TOKEN_UNPERMUTE_GRAD, contract.check_moe_token_unpermute_grad,
+                                        adapter=_unpermute_grad_2d,
+                                        program=lambda: _cpu().program_moe_token_unpermute_grad)
 
 
-_moe_token_unpermute_grad = DirectOp("gradops::moe_token_unpermute_grad", _moe_token_unpermute_grad_body,
+_moe_token_unpermute_grad = DirectOp(spec.MOE_TOKEN_UNPERMUTE_GRAD, _moe_token_unpermute_grad_body,
                                      plan_moe_token_unpermute_grad, _unpermute_grad_results)
 # Linear in the gradient and in each of permuted_tokens and probs: the derivative is the reference's.
 _backward_of, _setup_of = reference_derivative(

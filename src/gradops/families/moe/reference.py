@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from ...spec import Impl
 from .contract import checked_expert_ids, checked_permutation, checked_sorted_indices
 
 
@@ -120,3 +121,11 @@ def kernels(compute: torch.dtype = torch.float32) -> tuple:
     :class:`gradops.families.moe.routing_reference.Kernels`), the sums in ``compute``."""
     return (moe_token_permute, partial(moe_token_permute_grad, compute=compute),
             partial(moe_token_unpermute, compute=compute), partial(moe_token_unpermute_grad, compute=compute))
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+MOE_TOKEN_PERMUTE = Impl(moe_token_permute)
+MOE_TOKEN_PERMUTE_GRAD = Impl(moe_token_permute_grad)
+MOE_TOKEN_UNPERMUTE = Impl(moe_token_unpermute)
+MOE_TOKEN_UNPERMUTE_GRAD = Impl(moe_token_unpermute_grad)

@@ -19,6 +19,15 @@ from ...ops._out import Result, into
 from ...ops._plan import Planner
 from . import routing_contract as contract
 from . import routing_reference as reference
+from . import routing_spec as spec
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 def _run(fn, shape, *args):
@@ -27,17 +36,18 @@ def _run(fn, shape, *args):
 
 
 plan_moe_token_permute_with_routing_map = Planner(
-    "moe_token_permute_with_routing_map", contract.check_moe_token_permute_with_routing_map, adapter=_run,
-    program="moe_token_permute_with_routing_map")
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, contract.check_moe_token_permute_with_routing_map, adapter=_run,
+    program=lambda: _cpu().program_moe_token_permute_with_routing_map)
 plan_moe_token_permute_with_routing_map_grad = Planner(
-    "moe_token_permute_with_routing_map_grad", contract.check_moe_token_permute_with_routing_map_grad, adapter=_run,
-    program="moe_token_permute_with_routing_map_grad")
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, contract.check_moe_token_permute_with_routing_map_grad,
+    adapter=_run, program=lambda: _cpu().program_moe_token_permute_with_routing_map_grad)
 plan_moe_token_unpermute_with_routing_map = Planner(
-    "moe_token_unpermute_with_routing_map", contract.check_moe_token_unpermute_with_routing_map,
-    adapter=lambda fn, shape, *args: own(fn(*args)), program="moe_token_unpermute_with_routing_map")
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP, contract.check_moe_token_unpermute_with_routing_map,
+    adapter=lambda fn, shape, *args: own(fn(*args)),
+    program=lambda: _cpu().program_moe_token_unpermute_with_routing_map)
 plan_moe_token_unpermute_with_routing_map_grad = Planner(
-    "moe_token_unpermute_with_routing_map_grad", contract.check_moe_token_unpermute_with_routing_map_grad,
-    adapter=_run, program="moe_token_unpermute_with_routing_map_grad")
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD, contract.check_moe_token_unpermute_with_routing_map_grad,
+    adapter=_run, program=lambda: _cpu().program_moe_token_unpermute_with_routing_map_grad)
 
 
 # What each op returns, declared once: its fake kernel and its out= are made from these (ops/_out.py).
@@ -76,7 +86,7 @@ def _moe_token_permute_with_routing_map_body(tokens: Tensor, routing_map: Tensor
 
 
 _moe_token_permute_with_routing_map = DirectOp(
-    "gradops::moe_token_permute_with_routing_map", _moe_token_permute_with_routing_map_body,
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, _moe_token_permute_with_routing_map_body,
     plan_moe_token_permute_with_routing_map, _permute_results)
 
 
@@ -116,7 +126,7 @@ def _moe_token_permute_with_routing_map_grad_body(permuted_tokens_grad: Tensor, 
 
 
 _moe_token_permute_with_routing_map_grad = DirectOp(
-    "gradops::moe_token_permute_with_routing_map_grad", _moe_token_permute_with_routing_map_grad_body,
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, _moe_token_permute_with_routing_map_grad_body,
     plan_moe_token_permute_with_routing_map_grad, _permute_grad_results)
 _backward_of, _setup_of = reference_derivative(reference.moe_token_permute_with_routing_map_grad)
 _moe_token_permute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)
@@ -132,7 +142,7 @@ def _moe_token_unpermute_with_routing_map_body(permuted_tokens: Tensor, sorted_i
 
 
 _moe_token_unpermute_with_routing_map = DirectOp(
-    "gradops::moe_token_unpermute_with_routing_map", _moe_token_unpermute_with_routing_map_body,
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP, _moe_token_unpermute_with_routing_map_body,
     plan_moe_token_unpermute_with_routing_map, _unpermute_results)
 
 
@@ -169,7 +179,7 @@ def _moe_token_unpermute_with_routing_map_grad_body(permuted_tokens: Tensor, gra
 
 
 _moe_token_unpermute_with_routing_map_grad = DirectOp(
-    "gradops::moe_token_unpermute_with_routing_map_grad", _moe_token_unpermute_with_routing_map_grad_body,
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD, _moe_token_unpermute_with_routing_map_grad_body,
     plan_moe_token_unpermute_with_routing_map_grad, _unpermute_grad_results)
 _backward_of, _setup_of = reference_derivative(reference.moe_token_unpermute_with_routing_map_grad)
 _moe_token_unpermute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ...contract._common import fail
+from ...spec import Impl
 from ...status import ACLNN_ERR_PARAM_INVALID as INVALID
 from ...status import OpError
 from . import reference as moe_permute
@@ -411,3 +412,11 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
     """aclnnMoeTokenUnpermuteWithRoutingMapGrad, in ``compute``."""
     return unpermute_grad(_reference(compute), permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map,
                           drop_and_pad)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = Impl(moe_token_permute_with_routing_map)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_permute_with_routing_map_grad)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = Impl(moe_token_unpermute_with_routing_map)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_unpermute_with_routing_map_grad)

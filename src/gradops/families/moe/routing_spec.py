@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd
+from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, provided
+from . import routing_reference
 from . import routing_reference as reference
 
 #: Experts in the examples, and the experts per token (Mixtral's 8 and top-2).
@@ -223,12 +224,32 @@ UNPERMUTE_GRAD = Bench("moe_token_unpermute_with_routing_map_grad", _SHAPES, _si
                        "autograd of index_select, weight, index_add (Megatron)")
 
 
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: routing_reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("moe_token_permute_with_routing_map", "aclnnMoeTokenPermuteWithRoutingMap", False,
            example=_example("moe_token_permute_with_routing_map"),
            golden=Golden(("permuted_tokens", "permuted_probs", "sorted_indices"), _OPTIONS,
                          _golden_inputs("moe_token_permute_with_routing_map"), oracle=_permute_oracle, views=False),
-           sharding=_permute_rule, cann_args={"probs": "probsOptional"}),
+           sharding=_permute_rule, cann_args={"probs": "probsOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP)),
     OpSpec("moe_token_permute_with_routing_map_grad", "aclnnMoeTokenPermuteWithRoutingMapGrad", True,
            example=_example("moe_token_permute_with_routing_map_grad"),
            golden=Golden(("tokens_grad", "probs_grad"), _OPTIONS,
@@ -236,14 +257,16 @@ SPECS = (
            timing=PERMUTE_GRAD, sharding=_permute_grad_rule,
            cann_args={"permuted_tokens_grad": "permutedTokenOutputGrad",
                       "permuted_probs_grad": "permutedProbsOutputGradOptional", "routing_map": "routingMapOptional",
-                      "num_tokens": "tokensNum"}),
+                      "num_tokens": "tokensNum"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD)),
     OpSpec("moe_token_unpermute_with_routing_map", "aclnnMoeTokenUnpermuteWithRoutingMap", False,
            example=_example("moe_token_unpermute_with_routing_map"),
            golden=Golden(("unpermuted_tokens",), _OPTIONS, _golden_inputs("moe_token_unpermute_with_routing_map"),
                          views=False),
            sharding=_unpermute_rule,
            cann_args={"probs": "probsOptional", "routing_map": "routingMapOptional", "drop_and_pad": "paddedMode",
-                      "restore_shape": "restoreShapeOptional"}),
+                      "restore_shape": "restoreShapeOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP)),
     OpSpec("moe_token_unpermute_with_routing_map_grad", "aclnnMoeTokenUnpermuteWithRoutingMapGrad", True,
            example=_example("moe_token_unpermute_with_routing_map_grad"),
            golden=Golden(("permuted_tokens_grad", "probs_grad"), _OPTIONS,
@@ -251,5 +274,8 @@ SPECS = (
            timing=UNPERMUTE_GRAD, sharding=_unpermute_grad_rule,
            cann_args={"grad_unpermuted": "unpermutedTokensGrad", "sorted_indices": "outIndex",
                       "permuted_tokens": "permutedTokensOptional", "probs": "probsOptional",
-                      "routing_map": "routingMapOptional"}),
+                      "routing_map": "routingMapOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD)),
 )
+(MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,
+ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD) = SPECS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd
+from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, provided
 from . import reference
 
 #: Experts per token in the examples (Mixtral's top-2).
@@ -168,23 +168,49 @@ def _unpermute_grad_rule(R, P, Shard):
 
 
 _MOE_OPTIONS = ("topk", "experts")
+
+
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("moe_token_permute", "aclnnMoeTokenPermute", False, example=_example("moe_token_permute"),
            golden=Golden(("permuted_tokens", "sorted_indices"), (*_MOE_OPTIONS, "num_out_tokens", "index_dtype"),
                          _golden_inputs("moe_token_permute"), oracle=_permute_oracle, index_dtypes=("int64", "int32"),
                          views=False),
-           sharding=_permute_rule),
+           sharding=_permute_rule,
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE)),
     OpSpec("moe_token_permute_grad", "aclnnMoeTokenPermuteGrad", True, example=_example("moe_token_permute_grad"),
            golden=Golden(("out",), _MOE_OPTIONS, _golden_inputs("moe_token_permute_grad"), views=False),
-           timing=PERMUTE_GRAD, sharding=_permute_grad_rule, cann_args={"padded_mode": "paddedModeOptional"}),
+           timing=PERMUTE_GRAD, sharding=_permute_grad_rule, cann_args={"padded_mode": "paddedModeOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_GRAD)),
     OpSpec("moe_token_unpermute", "aclnnMoeTokenUnpermute", False, example=_example("moe_token_unpermute"),
            golden=Golden(("out",), _MOE_OPTIONS, _golden_inputs("moe_token_unpermute"), views=False),
-           sharding=_unpermute_rule, cann_args={"probs": "probsOptional"}),
+           sharding=_unpermute_rule, cann_args={"probs": "probsOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE)),
     OpSpec("moe_token_unpermute_grad", "aclnnMoeTokenUnpermuteGrad", True,
            example=_example("moe_token_unpermute_grad"),
            golden=Golden(("grad_permuted_tokens", "grad_probs"), _MOE_OPTIONS,
                          _golden_inputs("moe_token_unpermute_grad"), views=False),
            timing=UNPERMUTE_GRAD, sharding=_unpermute_grad_rule,
            cann_args={"permuted_tokens": "permutedTokensOptional", "grad_unpermuted": "unpermutedTokensGrad",
-                      "probs": "probsOptional"}),
+                      "probs": "probsOptional"},
+           providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_GRAD)),
 )
+MOE_TOKEN_PERMUTE, MOE_TOKEN_PERMUTE_GRAD, MOE_TOKEN_UNPERMUTE, MOE_TOKEN_UNPERMUTE_GRAD = SPECS

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ...cpu import _pool
 from ...cpu._host import dense, finish, kernel, output, row_blocks
-from ...cpu.programs import BUILDERS, Program, arg
+from ...cpu.programs import Program, arg
+from ...spec import Impl
 from .contract import RmsNormShape
 
 
@@ -93,9 +94,10 @@ def rms_norm_grad_shaped(shape: RmsNormShape, dy: Tensor, x: Tensor, rstd: Tenso
     return dx, dgamma
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs): the same registered
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
+# loads it): the same registered
 # kernel on outputs of the same shapes, or None where the Python path does what a program does not.
-def _program_rms_norm(shape, x, gamma, epsilon):
+def program_rms_norm(shape, x, gamma, epsilon):
     m, n = shape.rows, shape.cols
     if not m or not n:
         return None
@@ -105,7 +107,7 @@ def _program_rms_norm(shape, x, gamma, epsilon):
     return p.returns(y, rstd)
 
 
-def _program_rms_norm_grad(shape, dy, x, rstd, gamma):
+def program_rms_norm_grad(shape, dy, x, rstd, gamma):
     m, n = shape.rows, shape.cols
     if not m or not n or rstd.dtype != torch.float32:
         return None
@@ -115,9 +117,9 @@ def _program_rms_norm_grad(shape, dy, x, rstd, gamma):
     return p.returns(dx, dgamma)
 
 
-#: op -> its program's builder, registered in programs.BUILDERS.
-PROGRAMS = {
-    "rms_norm": _program_rms_norm,
-    "rms_norm_grad": _program_rms_norm_grad,
-}
-BUILDERS.update(PROGRAMS)
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+RMS_NORM = Impl(rms_norm, shaped=rms_norm_shaped)
+RMS_NORM_GRAD = Impl(rms_norm_grad, shaped=rms_norm_grad_shaped, workspace=rms_norm_grad_workspace)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ...kernels.common import RowConfig, persistent_programs, row_config
 from ...launch._common import carve, launch, outputs, reduce_partials, sm_count, unit_stride_rows, workspace_bytes
+from ...spec import Impl
 from .kernels import rms_norm_fwd_kernel, rms_norm_grad_kernel, rms_norm_grad_looped_kernel
 
 
@@ -95,3 +96,9 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, workspa
     if scratch:
         reduce_partials(part, dgamma, None, None, programs, n)
     return dx, dgamma
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+RMS_NORM = Impl(rms_norm)
+RMS_NORM_GRAD = Impl(rms_norm_grad, workspace=rms_norm_grad_workspace)

@@ -12,7 +12,15 @@ from ...ops._direct import DirectOp, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
 from ...ops._out import Result, into
 from ...ops._plan import Planner
-from . import contract, reference
+from . import contract, reference, spec
+
+
+def _cpu():
+    """The family's CPU host entries, where the programs live: loaded once a plan chose the compiled CPU
+    kernels."""
+    from . import cpu
+
+    return cpu
 
 
 # What each op returns and what its backends take, declared once: the fake kernel, out= and the adapter below
@@ -42,8 +50,8 @@ def _rms_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Ten
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
-plan_rms_norm_grad = Planner("rms_norm_grad", contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d,
-                             program="rms_norm_grad")
+plan_rms_norm_grad = Planner(spec.RMS_NORM_GRAD, contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d,
+                             program=lambda: _cpu().program_rms_norm_grad)
 
 
 def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,7 +59,7 @@ def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> t
     return plan.run(plan.shape, dy, x, rstd, gamma)
 
 
-_rms_norm_grad = DirectOp("gradops::rms_norm_grad", _rms_norm_grad_body, plan_rms_norm_grad, _grad_results)
+_rms_norm_grad = DirectOp(spec.RMS_NORM_GRAD, _rms_norm_grad_body, plan_rms_norm_grad, _grad_results)
 
 
 def _rms_norm_grad_formula(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,7 +85,8 @@ def _rms_norm_2d(fn, shape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[T
     return own(fit(y, x.shape), fit(rstd, shape.rstd_shape))
 
 
-plan_rms_norm = Planner("rms_norm", contract.check_rms_norm, adapter=_rms_norm_2d, program="rms_norm")
+plan_rms_norm = Planner(spec.RMS_NORM, contract.check_rms_norm, adapter=_rms_norm_2d,
+                        program=lambda: _cpu().program_rms_norm)
 
 
 def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -85,7 +94,7 @@ def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Te
     return plan.run(plan.shape, x, gamma, epsilon)
 
 
-_rms_norm = DirectOp("gradops::rms_norm", _rms_norm_body, plan_rms_norm, _results)
+_rms_norm = DirectOp(spec.RMS_NORM, _rms_norm_body, plan_rms_norm, _results)
 
 
 def _setup(ctx, inputs, output):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...spec import Impl
+
 
 def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, compute: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x * rstd * gamma``; y in x's dtype, rstd float32 of shape (rows,)."""
@@ -39,3 +41,9 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor,
         dx = wdy
     dgamma = (dyf * xhat).sum(dim=0)
     return dx.to(dy.dtype).contiguous(), dgamma.to(torch.promote_types(torch.float32, compute))
+
+
+# ---------------------------------------------------------------- what the family's declarations provide
+# Each op's implementation on this backend (gradops.spec.Impl), which its OpSpec's providers load.
+RMS_NORM = Impl(rms_norm)
+RMS_NORM_GRAD = Impl(rms_norm_grad)

@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, rows_shardable
+from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, provided, rows_shardable
 from . import reference
 
 EPS = 1e-6
@@ -110,12 +110,34 @@ def _rms_norm_grad_rule(R, P, Shard):
     return rule
 
 
+def _cpu():
+    """The family's compiled CPU kernels (importing them loads or builds the native extension)."""
+    from . import cpu
+
+    return cpu
+
+
+def _triton():
+    """The family's Triton launchers (importing them needs triton)."""
+    from . import launch
+
+    return launch
+
+
+#: The family's module for each backend: where each op's implementation (gradops.spec.Impl) is.
+_BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
+
+
+#: The family's declarations, in the tables' order; each is also the module's constant of its name.
 SPECS = (
     OpSpec("rms_norm", "aclnnRmsNorm", False, example=_rms_norm_example,
            golden=Golden(("y", "rstd"), ("epsilon", "gamma_dtype"), _golden_inputs("rms_norm"), peer=_rms_norm_peer),
-           sharding=_rms_norm_rule),
+           sharding=_rms_norm_rule,
+           providers=provided(_BACKENDS, lambda m: m.RMS_NORM)),
     OpSpec("rms_norm_grad", "aclnnRmsNormGrad", True, example=_rms_norm_grad_example,
            golden=Golden(("dx", "dgamma"), ("rstd_form", "gamma_dtype"), _golden_inputs("rms_norm_grad"),
                          peer=_rms_norm_grad_peer),
-           timing=BENCH, sharding=_rms_norm_grad_rule),
+           timing=BENCH, sharding=_rms_norm_grad_rule,
+           providers=provided(_BACKENDS, lambda m: m.RMS_NORM_GRAD)),
 )
+RMS_NORM, RMS_NORM_GRAD = SPECS
