@@ -290,6 +290,21 @@ def _moe_token_unpermute_with_routing_map_grad(permuted, grad, sorted_indices, p
     return (dpermuted.to(dev), torch.zeros(0, dtype=F64, device=dev) if dprobs is None else dprobs.to(dev)), (1, h)
 
 
+def _swiglu(x, dim=-1):
+    """CANN's SwiGlu: y = swish(A) * B with swish(a) = a / (1 + e^-a), A and B the halves of x along dim."""
+    A, B = x.to(F64).chunk(2, dim=dim)
+    return (A / (1 + torch.exp(-A)) * B,), (1,)
+
+
+def _swiglu_grad(y_grad, x, dim=-1):
+    """The derivative of A * sigmoid(A) * B: d/dA = B * (s + A * s * (1 - s)), d/dB = A * s, s = sigmoid(A)
+    (written from the calculus: CANN's printed dA factor, s + s * (1 - s * A), is not the derivative)."""
+    A, B = x.to(F64).chunk(2, dim=dim)
+    G = y_grad.to(F64)
+    s = 1 / (1 + torch.exp(-A))
+    return (torch.cat((G * B * (s + A * s * (1 - s)), G * A * s), dim=dim),), (1,)
+
+
 _ORACLES = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
@@ -301,6 +316,7 @@ _ORACLES = {
     "moe_token_permute_with_routing_map_grad": _moe_token_permute_with_routing_map_grad,
     "moe_token_unpermute_with_routing_map": _moe_token_unpermute_with_routing_map,
     "moe_token_unpermute_with_routing_map_grad": _moe_token_unpermute_with_routing_map_grad,
+    "swiglu": _swiglu, "swiglu_grad": _swiglu_grad,
 }
 
 
@@ -327,9 +343,20 @@ def _layer_norm_grad_dx_terms(dy, x, variance, mean, gamma, epsilon=1e-5):
     return _layer_norm_dx_terms(dy, x, mean, (variance.to(F64) + epsilon) ** -0.5, gamma)
 
 
+def _swiglu_grad_terms(y_grad, x, dim=-1):
+    """dA = g * B * s * (1 + A * (1 - s)) cancels where A * (1 - s) = -1 (A ~ -1.28): its float32 error is a few
+    u32 of the terms ``|g * B| * s * (1 + |A| * (1 - s))``."""
+    A, B = x.to(F64).chunk(2, dim=dim)
+    G = y_grad.to(F64)
+    s = 1 / (1 + torch.exp(-A))
+    terms = torch.cat(((G * B).abs() * s * (1 + A.abs() * (1 - s)), (G * A).abs() * s), dim=dim)
+    terms = terms[torch.isfinite(terms)]
+    return float(terms.max()) if terms.numel() else 0.0
+
+
 #: Ops whose first output's rounding error scales with the size of its terms rather than of its value.
 _TERM_SCALES = {"hardswish_backward": _hardswish_backward_terms, "layer_norm_backward": _layer_norm_dx_terms,
-                "layer_norm_grad": _layer_norm_grad_dx_terms}
+                "layer_norm_grad": _layer_norm_grad_dx_terms, "swiglu_grad": _swiglu_grad_terms}
 
 
 def oracle(op: str, *args, **kwargs) -> tuple[Tensor, ...]:

@@ -466,6 +466,41 @@ def _moe_token_unpermute_with_routing_map_grad(r, dtypes):
         yield Sample(name, purpose, (rows, grad, si, probs, rm if probs is not None else None, drop))
 
 
+# ---------------------------------------------------------------- SwiGlu
+def _swiglu_inputs(r, dtypes):
+    """(name, purpose, x, dim) per dtype: each split dim, both halves' layouts, the kernels' tails and sigmoid's
+    saturation (non-finite values: tests/test_swiglu.py, as the samples' users compare with torch.equal)."""
+    edges = torch.tensor([-104.0, -89.0, -88.0, -20.0, -1.2785, -0.0, 0.0, 1e-4, 20.0, 88.0, 89.0, 104.0,
+                          -60.0, 60.0, -8.0, 3.0])
+    for d in FLOATS:
+        if not _wanted(d, dtypes):
+            continue
+        tag = str(d).removeprefix("torch.")
+        yield f"last-{tag}", "split the last dim (an MLP's gate and up halves)", r.normal(4, 64, dtype=d, scale=2.0), -1
+        yield f"tail-{tag}", "halves of 13 columns: the vector loop's tail", r.normal(3, 26, dtype=d, scale=2.0), -1
+        yield f"dim0-{tag}", "split dim 0: one row, halves of the whole tensor", r.normal(6, 5, dtype=d), 0
+        yield f"middle-{tag}", "split a middle dim: halves strided by the trailing dims", r.normal(2, 6, 5, dtype=d), 1
+        yield f"negative-dim-{tag}", "dim counted from the end", r.normal(2, 4, 3, dtype=d), -2
+        yield f"1d-{tag}", "1-D x", r.normal(18, dtype=d), 0
+        yield f"noncontig-{tag}", "non-contiguous x (transposed)", _transposed(r.normal(12, 16, dtype=d)), -1
+        yield f"saturation-{tag}", "sigmoid's saturation and exp's overflow edges in A and B", \
+            torch.cat((edges, edges.flip(0))).view(1, 32).repeat(3, 1).to(d).to(r.device), -1
+        yield f"empty-{tag}", "no rows", r.normal(0, 8, dtype=d), -1
+        yield f"wide-{tag}", "rows of 4099 columns: beyond one Triton block", r.normal(2, 8198, dtype=d), -1
+
+
+def _swiglu(r, dtypes):
+    for name, purpose, x, dim in _swiglu_inputs(r, dtypes):
+        yield Sample(name, purpose, (x, dim))
+
+
+def _swiglu_grad(r, dtypes):
+    for name, purpose, x, dim in _swiglu_inputs(r, dtypes):
+        half = list(x.shape)
+        half[dim] //= 2
+        yield Sample(name, purpose, (r.normal(*half, dtype=x.dtype), x, dim))
+
+
 _GENERATORS = {
     "rms_norm": _rms_norm, "rms_norm_grad": _rms_norm_grad, "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad, "layer_norm_grad_beta": _layer_norm_grad_beta,
@@ -477,6 +512,7 @@ _GENERATORS = {
     "moe_token_permute_with_routing_map_grad": _moe_token_permute_with_routing_map_grad,
     "moe_token_unpermute_with_routing_map": _moe_token_unpermute_with_routing_map,
     "moe_token_unpermute_with_routing_map_grad": _moe_token_unpermute_with_routing_map_grad,
+    "swiglu": _swiglu, "swiglu_grad": _swiglu_grad,
 }
 OPS = tuple(_GENERATORS)
 

@@ -127,7 +127,8 @@ def test_edge_values_are_in_the_inputs():
 
 TORCH_PEERS = {"rms_norm": ("y",), "layer_norm": ("y",), "hardswish": ("out",), "rms_norm_grad": ("dx", "dgamma"),
                "layer_norm_backward": ("dx", "dgamma", "dbeta"), "layer_norm_grad": ("pd_x",),
-               "hardswish_backward": ("out",), "embedding_dense_backward": ("out",)}
+               "hardswish_backward": ("out",), "embedding_dense_backward": ("out",), "swiglu": ("out",),
+               "swiglu_grad": ("out",)}
 
 
 @pytest.mark.parametrize("op", NAMES)

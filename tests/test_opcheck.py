@@ -35,6 +35,8 @@ EDGES = {
     "moe_token_permute_with_routing_map_grad": ("drop-float32", "no-probs", "no-map"),
     "moe_token_unpermute_with_routing_map": ("drop-float32", "no-probs", "drop-probs-no-map"),
     "moe_token_unpermute_with_routing_map_grad": ("drop-float32", "no-probs"),
+    "swiglu": ("middle-float32", "noncontig-float32", "empty-float32"),
+    "swiglu_grad": ("dim0-float32", "tail-float32"),
 }
 #: Forward ops: their float inputs require grad so that opcheck also runs the registered backward.
 FORWARDS = {op.name for op in REGISTERED if not op.backward}

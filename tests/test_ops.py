@@ -43,6 +43,8 @@ OUTPUT_DTYPES = {
     "moe_token_unpermute_with_routing_map": lambda permuted, *_: (permuted.dtype,),
     "moe_token_unpermute_with_routing_map_grad": lambda permuted, grad, idx, probs, *_: (
         permuted.dtype, (probs if probs is not None else permuted).dtype),
+    "swiglu": lambda x, dim: (x.dtype,),
+    "swiglu_grad": lambda g, x, dim: (x.dtype,),
 }
 
 

@@ -26,6 +26,8 @@ from .ops import (
     moe_token_unpermute_with_routing_map_grad,
     rms_norm,
     rms_norm_grad,
+    swiglu,
+    swiglu_grad,
 )
 from .patching import patch
 from .status import OpError
@@ -74,5 +76,6 @@ __all__ = [
     "layer_norm", "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute",
     "moe_token_permute_grad", "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad",
     "moe_token_unpermute", "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map",
-    "moe_token_unpermute_with_routing_map_grad", "patch", "rms_norm", "rms_norm_grad", "synchronize",
+    "moe_token_unpermute_with_routing_map_grad", "patch", "rms_norm", "rms_norm_grad", "swiglu", "swiglu_grad",
+    "synchronize",
 ]

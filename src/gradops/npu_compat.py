@@ -27,7 +27,7 @@ from .status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, OpError
 __all__ = ["npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
            "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
            "npu_moe_token_unpermute_grad_v2", "npu_moe_token_unpermute_with_routing_map", "npu_rms_norm",
-           "npu_rms_norm_backward"]
+           "npu_rms_norm_backward", "npu_swiglu", "npu_swiglu_backward"]
 
 
 def _no_padded_mode(op: str, padded_mode: bool) -> None:
@@ -73,6 +73,20 @@ def npu_rms_norm_backward(dy: Tensor, self: Tensor, gamma: Tensor, rstd: Tensor)
     # x, rstd, gamma: float64 only beside float64 dy in the op's own table
     _cann_floats("rms_norm_grad", (self, rstd, gamma), dy=dy)
     return ops.rms_norm_grad(dy, self, rstd, gamma)
+
+
+def npu_swiglu(input: Tensor, dim: int = -1) -> Tensor:
+    """``torch_npu.npu_swiglu(input, dim=-1) -> Tensor``; aclnnSwiGlu: input split into halves A, B along dim,
+    ``silu(A) * B``. Differentiable (backward: :func:`npu_swiglu_backward`, i.e. aclnnSwiGluGrad)."""
+    _cann_floats("swiglu", (), x=input)
+    return ops.swiglu(input, dim)
+
+
+def npu_swiglu_backward(grad_output: Tensor, input: Tensor, dim: int = -1) -> Tensor:
+    """``torch.ops.npu.npu_swiglu_backward(grad_output, input, dim=-1) -> Tensor``; aclnnSwiGluGrad: the gradient
+    with respect to input, in input's shape and dtype."""
+    _cann_floats("swiglu_grad", (input,), y_grad=grad_output)
+    return ops.swiglu_grad(grad_output, input, dim)
 
 
 def npu_moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | None = None,

@@ -52,9 +52,11 @@ def _results(op: str, args: list, kwargs: dict) -> tuple[torch.Tensor, ...]:
 
 
 def _optional(op: str) -> set[int]:
-    """The positions of the public function's arguments that default to None (optional tensors)."""
+    """The positions of the public function's arguments that take None (optional tensors): those defaulting to it
+    and those typed ``Tensor | None`` without a default (the routing-map gradient's permuted_probs_grad)."""
     params = list(inspect.signature(getattr(gradops, op)).parameters.values())
-    return {i for i, p in enumerate(params) if p.default is None and p.kind is p.POSITIONAL_OR_KEYWORD}
+    return {i for i, p in enumerate(params) if p.kind is p.POSITIONAL_OR_KEYWORD
+            and (p.default is None or "None" in str(p.annotation))}
 
 
 def _out_arg(outs: list[torch.Tensor]) -> object:

@@ -47,6 +47,12 @@ from ..families.rms_norm.aclnn import (
     aclnnRmsNormGrad,
     aclnnRmsNormGradGetWorkspaceSize,
 )
+from ..families.swiglu.aclnn import (
+    aclnnSwiGlu,
+    aclnnSwiGluGetWorkspaceSize,
+    aclnnSwiGluGrad,
+    aclnnSwiGluGradGetWorkspaceSize,
+)
 from ..status import (
     ACLNN_ERR_INNER,
     ACLNN_ERR_INNER_CREATE_EXECUTOR,
@@ -132,4 +138,8 @@ __all__ = [
     "aclnnRmsNormGrad",
     "aclnnRmsNormGradGetWorkspaceSize",
     "aclnnStatus",
+    "aclnnSwiGlu",
+    "aclnnSwiGluGetWorkspaceSize",
+    "aclnnSwiGluGrad",
+    "aclnnSwiGluGradGetWorkspaceSize",
 ]

@@ -53,7 +53,7 @@ from ..families.rms_norm.cpu import (  # noqa: E402
     rms_norm_grad_workspace,
     rms_norm_shaped,
 )
-from . import programs  # noqa: E402, F401 - each family module below registers its programs there
+from ..families.swiglu.cpu import swiglu, swiglu_grad, swiglu_grad_shaped, swiglu_shaped  # noqa: E402
 
 __all__ = [
     "embedding_dense_backward", "embedding_dense_backward_shaped", "embedding_dense_backward_workspace",
@@ -64,5 +64,6 @@ __all__ = [
     "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad", "moe_token_unpermute",
     "moe_token_unpermute_grad", "moe_token_unpermute_grad_shaped", "moe_token_unpermute_shaped",
     "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad", "rms_norm",
-    "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace", "rms_norm_shaped",
+    "rms_norm_grad", "rms_norm_grad_shaped", "rms_norm_grad_workspace", "rms_norm_shaped", "swiglu", "swiglu_grad",
+    "swiglu_grad_shaped", "swiglu_shaped",
 ]

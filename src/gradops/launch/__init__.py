@@ -35,6 +35,7 @@ from ..families.moe.launch import (
     moe_token_unpermute_with_routing_map_grad,
 )
 from ..families.rms_norm.launch import rms_norm, rms_norm_grad, rms_norm_grad_workspace
+from ..families.swiglu.launch import swiglu, swiglu_grad
 from ._common import LAUNCHES
 
 __all__ = [
@@ -43,5 +44,6 @@ __all__ = [
     "layer_norm_grad_beta_workspace", "moe_token_permute", "moe_token_permute_grad",
     "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad", "moe_token_permute_workspace",
     "moe_token_unpermute", "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map",
-    "moe_token_unpermute_with_routing_map_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_workspace",
+    "moe_token_unpermute_with_routing_map_grad", "rms_norm", "rms_norm_grad", "rms_norm_grad_workspace", "swiglu",
+    "swiglu_grad",
 ]

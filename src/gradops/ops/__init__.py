@@ -25,11 +25,12 @@ from ..families.moe.routing_ops import (
     moe_token_unpermute_with_routing_map_grad,
 )
 from ..families.rms_norm.ops import rms_norm, rms_norm_grad
+from ..families.swiglu.ops import swiglu, swiglu_grad
 
 __all__ = [
     "embedding", "embedding_dense_backward", "hardswish", "hardswish_backward", "hardswish_output", "layer_norm",
     "layer_norm_backward", "layer_norm_grad", "layer_norm_grad_beta", "layer_norm_output", "moe_token_permute",
     "moe_token_permute_grad", "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad",
     "moe_token_unpermute", "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map",
-    "moe_token_unpermute_with_routing_map_grad", "rms_norm", "rms_norm_grad",
+    "moe_token_unpermute_with_routing_map_grad", "rms_norm", "rms_norm_grad", "swiglu", "swiglu_grad",
 ]

@@ -20,11 +20,12 @@ from ..families.moe.routing_reference import (
     moe_token_unpermute_with_routing_map_grad,
 )
 from ..families.rms_norm.reference import rms_norm, rms_norm_grad
+from ..families.swiglu.reference import swiglu, swiglu_grad
 
 __all__ = [
     "embedding_dense_backward", "hardswish", "hardswish_backward", "layer_norm", "layer_norm_backward",
     "layer_norm_grad", "layer_norm_grad_beta", "moe_token_permute", "moe_token_permute_grad",
     "moe_token_permute_with_routing_map", "moe_token_permute_with_routing_map_grad", "moe_token_unpermute",
     "moe_token_unpermute_grad", "moe_token_unpermute_with_routing_map", "moe_token_unpermute_with_routing_map_grad",
-    "rms_norm", "rms_norm_grad",
+    "rms_norm", "rms_norm_grad", "swiglu", "swiglu_grad",
 ]

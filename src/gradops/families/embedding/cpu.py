@@ -83,10 +83,9 @@ def embedding_dense_backward_shaped(shape: tuple[int, int], grad: Tensor, indice
 _DIRECT_INDICES = (torch.int64, torch.int32)
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
-# loads it): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not (indices of
-# another dtype than _DIRECT_INDICES: it converts them first).
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan loads
+# it): the same registered kernel on outputs of the same shapes, or None where the Python path does what a
+# program does not (indices of another dtype than _DIRECT_INDICES: it converts them first).
 
 
 def program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
@@ -112,8 +111,6 @@ def program_embedding_dense_backward(shape, grad, indices, num_weights, padding_
     pad = padding_idx if 0 <= padding_idx < num_weights else -1
     p.kernel("embedding_dense_backward", [arg(0), arg(1)], [out], [num_weights, pad, int(bool(scale_grad_by_freq))])
     return p.returns(out)
-
-
 
 
 # ---------------------------------------------------------------- what the family's declarations provide

@@ -81,9 +81,9 @@ def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = N
     return buf
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
-# loads it): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan loads
+# it): the same registered kernel on outputs of the same shapes, or None where the Python path does what a
+# program does not.
 def program_hardswish(shape, x):
     if not x.numel():
         return None
@@ -100,8 +100,6 @@ def program_hardswish_backward(shape, grad_output, x):
     dx = p.output(x.shape, x.dtype)
     p.kernel("hardswish_backward", [arg(0), arg(1)], [dx])
     return p.returns(dx)
-
-
 
 
 # ---------------------------------------------------------------- what the family's declarations provide

@@ -1,7 +1,7 @@
 // Hardswish and aclnnHardswishBackward (docs/semantics.md §3): elementwise, float32 math for every storage dtype.
 //
 // Byte models: forward 2·n·s, backward 3·n·s; memory-bound once the tensors leave the L2 cache. The math runs on
-// 8 float32 lanes written as GCC / Clang vector types, so the vector code does not depend on the auto-vectorizer:
+// 8 float32 lanes of vec.h (GCC / Clang vector types), so the vector code does not depend on the auto-vectorizer:
 // written as scalar loops, GCC kept a step's lanes in registers or not, and lowered the selects to blends or to a
 // branch per item, by dtype and by call site - one instantiation ran 10-20x slower on random data (fp16 forward,
 // 128 Ki items, branch mispredictions), another 2-3x (fp32 items copied to the stack as 16-byte moves and read back
@@ -15,22 +15,14 @@
 // takes its scalar version at the runtime overlap test: 2.7 ms for 4 Mi fp32 items on one thread against 1.05.)
 
 #include "kernels.h"
+#include "vec.h"
 
 #include <cstring>
-
-#if defined(__AVX__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace gradops {
 namespace {
 
-// 8 float32 lanes, their bits, and 8 16-bit items. A comparison of Lanes gives all-ones / zero lanes (as Bits once
-// cast): the selects below are bit masks.
-typedef float Lanes __attribute__((vector_size(32)));
-typedef uint32_t Bits __attribute__((vector_size(32)));
-typedef uint16_t Bits16 __attribute__((vector_size(16)));
-constexpr int64_t kLanes = 8;
+using namespace vec;
 
 // Items per parallel task: 16 Ki x 4 B = 64 KiB per fp32 input stream (kTaskItems); 32 Mi items give 2048 tasks.
 // Tasks are whole chunks from index 0; the op is elementwise, so no split changes a bit.
@@ -38,108 +30,6 @@ constexpr int64_t kChunk = kTaskItems;
 
 // float32(1/3) = 0.33333334f, CANN's constant (docs/semantics.md §3).
 constexpr float kThird = 0.3333333432674408f;
-
-inline Lanes splat(float v) { return Lanes{} + v; }
-
-// Lanes of ``a > b ? a : b`` and ``a < b ? a : b`` (x86's maxps / minps: b where either is NaN). GCC lowers the
-// generic form to a compare and a blend, or two compares and two logic operations for the masks below: 26 µs against
-// 17 for the fp16 forward at 128 Ki items on one thread.
-inline Lanes max_lanes(Lanes a, Lanes b) {
-#if defined(__AVX__)
-  return _mm256_max_ps(a, b);
-#else
-  const Bits keep = reinterpret_cast<Bits>(a > b);
-  return reinterpret_cast<Lanes>((reinterpret_cast<Bits>(a) & keep) | (reinterpret_cast<Bits>(b) & ~keep));
-#endif
-}
-
-inline Lanes min_lanes(Lanes a, Lanes b) {
-#if defined(__AVX__)
-  return _mm256_min_ps(a, b);
-#else
-  const Bits keep = reinterpret_cast<Bits>(a < b);
-  return reinterpret_cast<Lanes>((reinterpret_cast<Bits>(a) & keep) | (reinterpret_cast<Bits>(b) & ~keep));
-#endif
-}
-
-// load(): 8 items as float32 lanes; store(): 8 lanes into the items' dtype. The bits are c10's: exact widening,
-// round-to-nearest-even narrowing, a NaN as c10 makes it (bf16 0x7FC0, fp16 the hardware's quiet NaN). The generic
-// ones serve fp16 without F16C, and float64, which GRADOPS_DISPATCH_FLOATS instantiates but the kernels refuse
-// (float64 calls take the float64 reference).
-template <class T>
-inline Lanes load(const T* p) {
-  float f[kLanes];
-  for (int64_t k = 0; k < kLanes; ++k) f[k] = static_cast<float>(p[k]);
-  Lanes v;
-  std::memcpy(&v, f, sizeof v);
-  return v;
-}
-
-template <class T>
-inline void store(Lanes v, T* p) {
-  float f[kLanes];
-  std::memcpy(f, &v, sizeof v);
-  for (int64_t k = 0; k < kLanes; ++k) p[k] = static_cast<T>(f[k]);
-}
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(Lanes v, float* p) { std::memcpy(p, &v, sizeof v); }
-
-// bf16: the bits shifted into the top half; rounding adds 0x7FFF plus the lowest kept bit. With AVX2, one widening
-// load and one pack where GCC's generic conversions take five and three instructions: bf16 backward at 128 Ki items
-// 46 µs against 66 on one thread.
-inline Lanes load(const c10::BFloat16* p) {
-#if defined(__AVX2__)
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-#else
-  Bits16 h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<Lanes>(__builtin_convertvector(h, Bits) << 16);
-#endif
-}
-
-inline void store(Lanes v, c10::BFloat16* p) {
-  const Bits bits = reinterpret_cast<Bits>(v);
-  const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const Bits nan = reinterpret_cast<Bits>(v != v);
-  const Bits narrow = (rounded & ~nan) | (0x7FC0u & nan);  // every lane <= 0xFFFF: the pack keeps it as it is
-#if defined(__AVX2__)
-  const __m256i n = reinterpret_cast<__m256i>(narrow);
-  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-#else
-  const Bits16 h = __builtin_convertvector(narrow, Bits16);
-  std::memcpy(p, &h, sizeof h);
-#endif
-}
-
-#if defined(__F16C__)
-inline Lanes load(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline void store(Lanes v, c10::Half* p) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-#endif
-
-// ``f(lo, hi)`` over [0, n): on the calling thread below kParallelMin items (a parallel region costs ~1.6 µs to
-// start, more than the threads save), else in kChunk chunks over torch's threads.
-template <class F>
-void chunked(int64_t n, const F& f) {
-  if (n < kParallelMin) {
-    if (n > 0) f(0, n);
-    return;
-  }
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  parallel(0, chunks, 1, [&](int64_t c0, int64_t c1) { f(c0 * kChunk, std::min(n, c1 * kChunk)); });
-}
 
 // y = x·clamp(x + 3, 0, 6) / 6, the reference's operation order. x + 3 is never -0 (x = -3 gives +0 under
 // round-to-nearest), so the clamp is exactly min(max(x + 3, 0), 6); a NaN x gives NaN.
@@ -208,7 +98,7 @@ int64_t hardswish_kernel(const KernelArgs& a) {
   GRADOPS_DISPATCH_FLOATS(x.scalar_type(), "hardswish", [&] {
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* yp = a.out[0].data_ptr<scalar_t>();
-    chunked(x.numel(), [&](int64_t lo, int64_t hi) { forward_range(xp, yp, lo, hi); });
+    chunked(x.numel(), kChunk, [&](int64_t lo, int64_t hi) { forward_range(xp, yp, lo, hi); });
   });
   return -1;
 }
@@ -226,7 +116,7 @@ int64_t hardswish_backward_kernel(const KernelArgs& a) {
     const auto* gp = a.in[0].const_data_ptr<scalar_t>();
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* dp = a.out[0].data_ptr<scalar_t>();
-    chunked(x.numel(), [&](int64_t lo, int64_t hi) { backward_range(gp, xp, dp, lo, hi); });
+    chunked(x.numel(), kChunk, [&](int64_t lo, int64_t hi) { backward_range(gp, xp, dp, lo, hi); });
   });
   return -1;
 }

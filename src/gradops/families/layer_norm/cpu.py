@@ -167,9 +167,9 @@ def layer_norm_backward_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, mea
     return dx, dgamma, dbeta
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
-# loads it): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan loads
+# it): the same registered kernel on outputs of the same shapes, or None where the Python path does what a
+# program does not.
 def program_layer_norm(shape, x, gamma, beta, epsilon):
     m, n = shape.rows, shape.cols
     if not m or not n:
@@ -213,8 +213,6 @@ def program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
     # check = 1: a negative rstd is refused before anything is computed.
     p.kernel("layer_norm_backward", [arg(0), arg(1), arg(2), arg(3), arg(4), None], [dx, dgamma, dbeta], [m, n, 1])
     return p.returns(dx, dgamma, dbeta)
-
-
 
 
 # ---------------------------------------------------------------- what the family's declarations provide

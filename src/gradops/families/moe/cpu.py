@@ -256,9 +256,9 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
 
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
-# loads it): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan loads
+# it): the same registered kernel on outputs of the same shapes, or None where the Python path does what a
+# program does not.
 def program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mode):
     if not indices.numel() or tokens.dim() != 2:
         return None
@@ -358,8 +358,6 @@ def program_moe_token_unpermute_with_routing_map_grad(shape, permuted_tokens, gr
                             [(tuple(permuted_tokens.shape), permuted_tokens.dtype),
                              ((0,), permuted_tokens.dtype) if probs is None else (tuple(probs.shape), probs.dtype)],
                             [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
-
-
 
 
 # ---------------------------------------------------------------- what the family's declarations provide

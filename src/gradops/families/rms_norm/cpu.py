@@ -94,9 +94,9 @@ def rms_norm_grad_shaped(shape: RmsNormShape, dy: Tensor, x: Tensor, rstd: Tenso
     return dx, dgamma
 
 # ---------------------------------------------------------------- the direct calls' programs
-# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan
-# loads it): the same registered
-# kernel on outputs of the same shapes, or None where the Python path does what a program does not.
+# Each: the Python path above as the extension replays it (see gradops.cpu.programs; the op's call plan loads
+# it): the same registered kernel on outputs of the same shapes, or None where the Python path does what a
+# program does not.
 def program_rms_norm(shape, x, gamma, epsilon):
     m, n = shape.rows, shape.cols
     if not m or not n:
@@ -115,8 +115,6 @@ def program_rms_norm_grad(shape, dy, x, rstd, gamma):
     dx, dgamma = p.output(dy.shape, dy.dtype), p.output(gamma.shape, torch.float32)
     p.kernel("rms_norm_grad", [arg(0), arg(1), arg(2), arg(3)], [dx, dgamma], [m, n])
     return p.returns(dx, dgamma)
-
-
 
 
 # ---------------------------------------------------------------- what the family's declarations provide

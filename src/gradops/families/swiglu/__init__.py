@@ -1,0 +1,2 @@
+"""SwiGlu and SwiGluGrad (aclnnSwiGlu / aclnnSwiGluGrad; torch_npu ``npu_swiglu``): the family's room (see
+:mod:`gradops.families`)."""
