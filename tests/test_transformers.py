@@ -217,6 +217,27 @@ def test_experts_in_bf16_round_once():
     assert float((ours.double() - exact).abs().sum()) <= float((theirs.double() - exact).abs().sum())
 
 
+@pytest.mark.parametrize(("name", "swiglu"), [("qwen3_moe", True), ("gpt_oss", False)])
+def test_the_experts_silu_gate_is_swiglu(name, swiglu):
+    """Experts gating with transformers' default ``act_fn(gate) * up`` and SiLU run gradops.swiglu forward and
+    backward (aclnnSwiGlu / aclnnSwiGluGrad, gate then up as its A and B) and match "grouped_mm"; GPT-OSS's own
+    clamped gate keeps its formula."""
+    module = _experts(name)
+    g = torch.Generator().manual_seed(10)
+    hidden = torch.randn(16, TINY["hidden_size"], generator=g)
+    index = torch.randint(0, module.num_experts, (16, 2), generator=g)
+    weights = torch.softmax(torch.randn(16, 2, generator=g), -1)
+    with torch.profiler.profile() as prof:
+        ours = _call(module, "gradops", hidden, index, weights)
+    names = {e.name for e in prof.events()}
+    assert ({"gradops::swiglu", "gradops::swiglu_grad"} <= names) == swiglu
+    theirs = _call(module, "grouped_mm", hidden, index, weights)
+    for a, b in zip(ours[:3], theirs[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[3], theirs[3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_float64_experts_run_batched_mm():
     """float64 is outside CANN's tables and torch's grouped matmul: transformers' "batched_mm" runs."""
     module = _experts(dtype=torch.float64)

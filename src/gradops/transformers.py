@@ -4,7 +4,8 @@ Two ways in (both need ``pip install 'transformers>=5.23,<5.25'``, the ``transfo
 transformers 5.23.0 and 5.24.0):
 
 - ``gradops.patch(model)`` on a model already built: swaps its norms in place (below) and switches its MoE
-  experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once);
+  experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once), whose SiLU gate is
+  :func:`gradops.swiglu`;
 - ``gradops.transformers.register(norms=True)`` before ``from_pretrained`` / ``from_config``: the experts
   implementation is then loadable by name (``experts_implementation="gradops"``) and transformers' own
   patch mapping builds the norm classes as gradops' subclasses.
@@ -208,6 +209,20 @@ def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: T
     return distributed.combine(out, handle, top_k_weights).to(hidden_states.dtype)
 
 
+def _gate(self: torch.nn.Module, gate_up: Tensor) -> Tensor:
+    """The experts' gate on the gate-up projection's rows: :func:`gradops.swiglu` (aclnnSwiGlu: its halves A and B
+    are transformers' gate and up, in that order) where the module gates with transformers' default formula,
+    ``act_fn(gate) * up``, and SiLU; else the module's own ``_apply_gate``. One pass that reads the rows once and
+    rounds once, where the formula runs the activation and the product as two passes with a rounding each."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    if (type(self)._apply_gate is _default_apply_gate and isinstance(self.act_fn, (torch.nn.SiLU, SiLUActivation))
+            and gate_up.dtype in _FLOATS):
+        return ops.swiglu(gate_up, -1)
+    return self._apply_gate(gate_up)
+
+
 def grouped_experts(self: torch.nn.Module, rows: Tensor, offsets: Tensor, row_experts: Tensor | None = None,
                     sentinels: bool = False) -> Tensor:
     """The experts of a transformers experts module on rows already grouped by local expert.
@@ -237,7 +252,7 @@ def grouped_experts(self: torch.nn.Module, rows: Tensor, offsets: Tensor, row_ex
                           is_transposed=self.is_transposed)
     if tail is not None:
         out = out.masked_fill(tail, 0.0)
-    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    out = _gate(self, out) if self.has_gate else self.act_fn(out)
     out = _grouped_linear(out, self.down_proj, offsets, self.down_proj_bias[row_experts] if self.has_bias else None,
                           is_transposed=self.is_transposed)
     if tail is not None:
