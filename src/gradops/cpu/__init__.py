@@ -1,11 +1,12 @@
 """The CPU kernels: the ``cpu`` backend of :mod:`gradops.backend`.
 
-The kernels are C++ (``gradops/native/<family>.cpp``, compiled with the native extension when gradops is
-installed, or on its first import); the modules here are their host side: they allocate the results (from the
-recycling pool, :mod:`gradops.cpu._pool`), make inputs contiguous, carve workspaces and run a kernel through
-:func:`gradops.cpu._host.kernel`, and describe each call as a program the extension replays
-(:mod:`gradops.cpu.programs`). Importing this package fails with ImportError where the extension cannot be built
-or loaded; the dispatcher then uses the pure-torch reference and says why once.
+The kernels are C++ (``gradops/families/<family>/*.cpp``, compiled with the native extension when gradops is
+installed, or on its first import), and each family's ``cpu.py`` is their host side: it allocates the results,
+makes inputs contiguous, carves workspaces, runs a kernel and describes each call as a program the extension
+replays. This package holds what those share - the recycling pool (:mod:`gradops.cpu._pool`), the kernel call
+(:func:`gradops.cpu._host.kernel`), the programs' form (:mod:`gradops.cpu.programs`) - and re-exports the
+families' host entries. Importing it fails with ImportError where the extension cannot be built or loaded; the
+dispatcher then uses the pure-torch reference and says why once.
 """
 
 from __future__ import annotations

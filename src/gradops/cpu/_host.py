@@ -1,6 +1,6 @@
 """Host side of the CPU kernels: contiguous inputs, outputs from the pool, the kernel call, the row blocks.
 
-The kernels are C++ (``gradops/native/<family>.cpp``, the convention in ``native/kernels.h``): each takes its
+The kernels are C++ (``gradops/families/<family>/<family>.cpp``, the convention in ``native/kernels.h``): each takes its
 inputs contiguous, its outputs allocated and contiguous, and runs on torch's own intra-op threads (serially in a
 child of ``fork()``, where GNU OpenMP does not survive). Inputs that are not contiguous are copied once
 (:func:`dense`: a 2-D view with a row stride costs ``2·M·N·s`` more bytes; a kernel then has one layout).

@@ -24,6 +24,7 @@
 // once per call.
 
 #include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,11 +52,10 @@ constexpr int64_t kLanes = 16;
 // add per block.
 constexpr int64_t kVarBlock = 128;
 
-typedef float F8 __attribute__((vector_size(32)));
+using F8 = vec::Lanes;
 typedef float F4 __attribute__((vector_size(16)));
-typedef uint32_t U8 __attribute__((vector_size(32)));
+using U8 = vec::Bits;
 typedef int32_t I8 __attribute__((vector_size(32)));
-typedef uint16_t H8 __attribute__((vector_size(16)));
 
 template <class To, class From>
 inline To bits_as(const From& v) {
@@ -63,67 +63,6 @@ inline To bits_as(const From& v) {
   To out;
   std::memcpy(&out, &v, sizeof out);
   return out;
-}
-
-// ---- 8 storage elements <-> 8 float32 lanes, the conversions of kernels.h's to_f32 / from_f32 (exact widening;
-// round to nearest even, a NaN to bfloat16's 0x7FC0 as c10's), so that a vector body and its scalar tail give the
-// bits of one rule.
-inline F8 load8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline F8 load8(const c10::BFloat16* p) {
-#if defined(__AVX2__)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return bits_as<F8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#else
-  H8 h;
-  std::memcpy(&h, p, sizeof h);
-  return bits_as<F8>(__builtin_convertvector(h, U8) << 16);
-#endif
-}
-inline F8 load8(const c10::Half* p) {
-#if defined(__F16C__)
-  return bits_as<F8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  F8 v;
-  for (int k = 0; k < 8; ++k) v[k] = static_cast<float>(p[k]);
-  return v;
-#endif
-}
-
-inline void store8(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
-#if defined(__AVX2__)
-// 8 float32 lanes as 8 bfloat16 (c10's rounding), packed in 128 bits.
-inline __m128i pack_bf16(F8 v) {
-  const U8 b = bits_as<U8>(v);
-  const U8 rounded = (b + ((b >> 16) & 1u) + 0x7FFFu) >> 16;
-  const U8 nan = bits_as<U8>(I8(v != v));
-  // Every lane is below 2^16 here, so the unsigned saturating pack is the truncation (GCC's generic one masks
-  // and packs: four more instructions).
-  const __m256i r = _mm256_blendv_epi8(bits_as<__m256i>(rounded), _mm256_set1_epi32(0x7FC0), bits_as<__m256i>(nan));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-#endif
-inline void store8(c10::BFloat16* p, F8 v) {
-#if defined(__AVX2__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(v));
-#else
-  const U8 b = bits_as<U8>(v);
-  const U8 rounded = (b + ((b >> 16) & 1u) + 0x7FFFu) >> 16;
-  const U8 nan = bits_as<U8>(I8(v != v));
-  const H8 h = __builtin_convertvector((nan & 0x7FC0u) | (~nan & rounded), H8);
-  std::memcpy(p, &h, sizeof h);
-#endif
-}
-inline void store8(c10::Half* p, F8 v) {
-#if defined(__F16C__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm256_cvtps_ph(bits_as<__m256>(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
-  for (int k = 0; k < 8; ++k) p[k] = static_cast<c10::Half>(v[k]);
-#endif
 }
 
 // a·b + c with one rounding per lane (vfmadd where the target has it; std::fma, the same bits, elsewhere).
@@ -192,11 +131,11 @@ double row_sum(const T* x, int64_t n) {
   D4 lo = {}, hi = {};
   int64_t j = 0;
   for (; j + 64 <= n; j += 64) {
-    const F8 a = (load8(x + j) + load8(x + j + 8)) + (load8(x + j + 16) + load8(x + j + 24));
-    const F8 b = (load8(x + j + 32) + load8(x + j + 40)) + (load8(x + j + 48) + load8(x + j + 56));
+    const F8 a = (vec::load(x + j) + vec::load(x + j + 8)) + (vec::load(x + j + 16) + vec::load(x + j + 24));
+    const F8 b = (vec::load(x + j + 32) + vec::load(x + j + 40)) + (vec::load(x + j + 48) + vec::load(x + j + 56));
     add_wide(a + b, lo, hi);
   }
-  for (; j + 8 <= n; j += 8) add_wide(load8(x + j), lo, hi);
+  for (; j + 8 <= n; j += 8) add_wide(vec::load(x + j), lo, hi);
   double tail = 0.0;
   for (; j < n; ++j) tail += static_cast<double>(to_f32(x[j]));
   const D4 v = lo + hi;
@@ -218,8 +157,8 @@ struct Tail {
   static void load(const T* p, int64_t len, F8& lo, F8& hi) {
     float buf[16] = {};
     for (int64_t k = 0; k < len; ++k) buf[k] = to_f32(p[k]);
-    lo = load8(buf);
-    hi = load8(buf + 8);
+    lo = vec::load(buf);
+    hi = vec::load(buf + 8);
   }
   static F8 keep(F8 v, U8 mask) { return bits_as<F8>(bits_as<U8>(v) & mask); }
 };
@@ -228,7 +167,7 @@ struct Tail {
 template <class T>
 void narrow_row(const float* src, int64_t n, T* dst) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store8(dst + j, load8(src + j));
+  for (; j + 8 <= n; j += 8) vec::store(vec::load(src + j), dst + j);
   for (; j < n; ++j) dst[j] = from_f32<T>(src[j]);
 }
 
@@ -321,8 +260,8 @@ std::pair<float, float> forward_row(const T* __restrict__ x, const float* __rest
   for (; b0 + 2 * kVarBlock <= n; b0 += 2 * kVarBlock) {
     Lanes s0, s1;
     for (int64_t j = b0; j < b0 + kVarBlock; j += kLanes) {
-      const F8 d0 = load8(x + j) - mu, d1 = load8(x + j + 8) - mu;
-      const F8 e0 = load8(x + j + kVarBlock) - mu, e1 = load8(x + j + kVarBlock + 8) - mu;
+      const F8 d0 = vec::load(x + j) - mu, d1 = vec::load(x + j + 8) - mu;
+      const F8 e0 = vec::load(x + j + kVarBlock) - mu, e1 = vec::load(x + j + kVarBlock + 8) - mu;
       s0.add(d0 * d0, d1 * d1);
       s1.add(e0 * e0, e1 * e1);
     }
@@ -334,7 +273,7 @@ std::pair<float, float> forward_row(const T* __restrict__ x, const float* __rest
     const int64_t end_full = end - (end - b0) % kLanes;
     Lanes sq;
     for (int64_t j = b0; j < end_full; j += kLanes) {
-      const F8 d0 = load8(x + j) - mu, d1 = load8(x + j + 8) - mu;
+      const F8 d0 = vec::load(x + j) - mu, d1 = vec::load(x + j + 8) - mu;
       sq.add(d0 * d0, d1 * d1);
     }
     if (end_full < end) {
@@ -350,12 +289,14 @@ std::pair<float, float> forward_row(const T* __restrict__ x, const float* __rest
   const float s = 1.0f / std::sqrt(var + eps);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {  // two vectors loaded before either is stored (see grad_row)
-    const F8 y0 = (load8(x + j) - mu) * s * load8(gamma + j) + load8(beta + j);
-    const F8 y1 = (load8(x + j + 8) - mu) * s * load8(gamma + j + 8) + load8(beta + j + 8);
-    store8(y + j, y0);
-    store8(y + j + 8, y1);
+    const F8 y0 = (vec::load(x + j) - mu) * s * vec::load(gamma + j) + vec::load(beta + j);
+    const F8 y1 = (vec::load(x + j + 8) - mu) * s * vec::load(gamma + j + 8) + vec::load(beta + j + 8);
+    vec::store(y0, y + j);
+    vec::store(y1, y + j + 8);
   }
-  for (; j + 8 <= n; j += 8) store8(y + j, (load8(x + j) - mu) * s * load8(gamma + j) + load8(beta + j));
+  for (; j + 8 <= n; j += 8) {
+    vec::store((vec::load(x + j) - mu) * s * vec::load(gamma + j) + vec::load(beta + j), y + j);
+  }
   for (; j < n; ++j) y[j] = from_f32<T>((to_f32(x[j]) - mu) * s * gamma[j] + beta[j]);
   return {mu, var};
 }
@@ -413,7 +354,7 @@ inline void over_tiles(const T* x, const T* dy, const float* gamma, int64_t n, c
   const int64_t full = n - n % kLanes;
   const U8 all = ~U8{};
   for (int64_t j = 0; j < full; j += kLanes) {
-    step(load8(x + j), load8(x + j + 8), load8(dy + j), load8(dy + j + 8), load8(gamma + j), load8(gamma + j + 8),
+    step(vec::load(x + j), vec::load(x + j + 8), vec::load(dy + j), vec::load(dy + j + 8), vec::load(gamma + j), vec::load(gamma + j + 8),
          all, all);
   }
   if (full < n) {
@@ -448,25 +389,25 @@ void grad_row(const T* __restrict__ dy, const T* __restrict__ x, const float* __
   // 16 items a step, every load before the stores, and no overlap test: 8 a step with GCC's runtime alias check ran
   // 1.12-1.18x numba's time at 8192 x 4096 fp32 (one thread), this 0.98-1.00x.
   for (; j + 16 <= n; j += 16) {
-    const F8 xmu0 = load8(x + j) - mu, xmu1 = load8(x + j + 8) - mu;
-    const F8 p0 = load8(dy + j) * load8(gamma + j) * s + a * xmu0 + b;
-    const F8 p1 = load8(dy + j + 8) * load8(gamma + j + 8) * s + a * xmu1 + b;
+    const F8 xmu0 = vec::load(x + j) - mu, xmu1 = vec::load(x + j + 8) - mu;
+    const F8 p0 = vec::load(dy + j) * vec::load(gamma + j) * s + a * xmu0 + b;
+    const F8 p1 = vec::load(dy + j + 8) * vec::load(gamma + j + 8) * s + a * xmu1 + b;
     if constexpr (kStream && std::is_same_v<T, float>) {  // both results past the caches (kernels.h: streams)
       stream8(pdx + j, p0);
       stream8(pdx + j + 8, p1);
       stream8(res + j, xmu0 * s);
       stream8(res + j + 8, xmu1 * s);
     } else {
-      store8(pdx + j, p0);
-      store8(pdx + j + 8, p1);
-      store8(res + j, xmu0 * s);
-      store8(res + j + 8, xmu1 * s);
+      vec::store(p0, pdx + j);
+      vec::store(p1, pdx + j + 8);
+      vec::store(xmu0 * s, res + j);
+      vec::store(xmu1 * s, res + j + 8);
     }
   }
   for (; j + 8 <= n; j += 8) {
-    const F8 xmu = load8(x + j) - mu;
-    store8(pdx + j, load8(dy + j) * load8(gamma + j) * s + a * xmu + b);
-    store8(res + j, xmu * s);
+    const F8 xmu = vec::load(x + j) - mu;
+    vec::store(vec::load(dy + j) * vec::load(gamma + j) * s + a * xmu + b, pdx + j);
+    vec::store(xmu * s, res + j);
   }
   for (; j < n; ++j) {
     const float xmu = to_f32(x[j]) - mu;
@@ -546,10 +487,10 @@ void grad_beta_block(const T* res, const T* dy, int64_t m, int64_t n, int64_t pe
     const T *q0 = res + r * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      const F8 a0 = load8(g0 + j), a1 = load8(g1 + j), a2 = load8(g2 + j), a3 = load8(g3 + j);
-      store8(pg + j, load8(pg + j) + (a0 * load8(q0 + j) + a1 * load8(q1 + j) + a2 * load8(q2 + j) +
-                                      a3 * load8(q3 + j)));
-      store8(pb + j, load8(pb + j) + (a0 + a1 + a2 + a3));
+      const F8 a0 = vec::load(g0 + j), a1 = vec::load(g1 + j), a2 = vec::load(g2 + j), a3 = vec::load(g3 + j);
+      vec::store(vec::load(pg + j) + (a0 * vec::load(q0 + j) + a1 * vec::load(q1 + j) + a2 * vec::load(q2 + j) +
+                                      a3 * vec::load(q3 + j)), pg + j);
+      vec::store(vec::load(pb + j) + (a0 + a1 + a2 + a3), pb + j);
     }
     for (; j < n; ++j) {
       const float a0 = to_f32(g0[j]), a1 = to_f32(g1[j]), a2 = to_f32(g2[j]), a3 = to_f32(g3[j]);
@@ -561,9 +502,9 @@ void grad_beta_block(const T* res, const T* dy, int64_t m, int64_t n, int64_t pe
     const T *g = dy + r * n, *q = res + r * n;
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      const F8 a0 = load8(g + j);
-      store8(pg + j, load8(pg + j) + a0 * load8(q + j));
-      store8(pb + j, load8(pb + j) + a0);
+      const F8 a0 = vec::load(g + j);
+      vec::store(vec::load(pg + j) + a0 * vec::load(q + j), pg + j);
+      vec::store(vec::load(pb + j) + a0, pb + j);
     }
     for (; j < n; ++j) {
       pg[j] += to_f32(g[j]) * to_f32(q[j]);
@@ -635,11 +576,11 @@ void backward_row(const T* dy, const T* x, const float* gamma, float mu, float s
   const float c = -s2.sum() * s * inv_n;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const F8 g = load8(dy + j);
-    const F8 xmu = load8(x + j) - mu;
-    store8(dx + j, g * load8(gamma + j) * s + a * xmu + c);
-    store8(ag + j, fma8(g, xmu * s, load8(ag + j)));  // one rounding per row, as ATen's vectorized fmadd
-    store8(ab + j, load8(ab + j) + g);
+    const F8 g = vec::load(dy + j);
+    const F8 xmu = vec::load(x + j) - mu;
+    vec::store(g * vec::load(gamma + j) * s + a * xmu + c, dx + j);
+    vec::store(fma8(g, xmu * s, vec::load(ag + j)), ag + j);  // one rounding per row, as ATen's vectorized fmadd
+    vec::store(vec::load(ab + j) + g, ab + j);
   }
   for (; j < n; ++j) {
     const float g = to_f32(dy[j]);
@@ -681,22 +622,22 @@ void backward_rows(const T* dy, const T* x, const float* gamma, const float* mu,
   }
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const F8 gm = load8(gamma + j);
-    F8 agv = load8(ag + j), abv = load8(ab + j);
+    const F8 gm = vec::load(gamma + j);
+    F8 agv = vec::load(ag + j), abv = vec::load(ab + j);
     for (int64_t q = 0; q < R; ++q) {
-      const F8 g = load8(dy + q * n + j);
-      const F8 xmu = load8(x + q * n + j) - m[q];
+      const F8 g = vec::load(dy + q * n + j);
+      const F8 xmu = vec::load(x + q * n + j) - m[q];
       const F8 d = g * gm * s[q] + a[q] * xmu + c[q];
       if constexpr (kStream && std::is_same_v<T, float>) {
         stream8(dx + q * n + j, d);
       } else {
-        store8(dx + q * n + j, d);
+        vec::store(d, dx + q * n + j);
       }
       agv = fma8(g, xmu * s[q], agv);
       abv = abv + g;
     }
-    store8(ag + j, agv);
-    store8(ab + j, abv);
+    vec::store(agv, ag + j);
+    vec::store(abv, ab + j);
   }
   for (; j < n; ++j) {
     for (int64_t q = 0; q < R; ++q) {

@@ -18,6 +18,7 @@
 // T·H·s_g + A·H·(s_x + s_dx) + T·K·(s_idx + 1 + s_p + s_dp). Every pass but the gathers is over T·K indices.
 
 #include "kernels.h"
+#include "vec.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -149,28 +150,19 @@ int64_t first_not_permutation(const at::Tensor& idx, const char* kernel) {
 // L1 beside the up to 8 source tiles one pass reads (16 KiB as float32), and is stored once.
 constexpr int64_t kTile = 512;
 
-// float16 <-> float32 over a tile, 8 lanes at a time with F16C where the CPU has it: GCC does not vectorize
-// c10::Half's scalar conversions (_cvtsh_ss), which made the float16 kernels 1.5-5x slower than the float32 and
-// bfloat16 ones at T·K x H = 64 x 128 to 8192 x 4096. The same IEEE round-to-nearest-even conversions as c10's, so
-// the same bits.
+// float16 <-> float32 over a tile, 8 lanes at a time (vec.h: F16C's conversions where the CPU has them): GCC does
+// not vectorize c10::Half's scalar conversions (_cvtsh_ss), which made the float16 kernels 1.5-5x slower than the
+// float32 and bfloat16 ones at T·K x H = 64 x 128 to 8192 x 4096. The same IEEE round-to-nearest-even conversions
+// as c10's, so the same bits.
 void widen(const c10::Half* src, int64_t n, float* dst) {
   int64_t j = 0;
-#if defined(__F16C__)
-  for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-  }
-#endif
+  for (; j + 8 <= n; j += 8) vec::store(vec::load(src + j), dst + j);
   for (; j < n; ++j) dst[j] = to_f32(src[j]);
 }
 
 void narrow(const float* src, int64_t n, c10::Half* dst) {
   int64_t j = 0;
-#if defined(__F16C__)
-  for (; j + 8 <= n; j += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-#endif
+  for (; j + 8 <= n; j += 8) vec::store(vec::load(src + j), dst + j);
   for (; j < n; ++j) dst[j] = from_f32<c10::Half>(src[j]);
 }
 
@@ -229,10 +221,6 @@ inline void add_rows(float* __restrict__ acc, const U* const* rows_at, const flo
 }
 
 #if defined(__F16C__)
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // add_rows for float16 rows with F16C's conversions inside the loop (staging each row's tile through widen() reads
 // the rows one after the other, a single stream, and took 1.3-2.8x this loop's time): the same products and
 // additions in the same order, eight columns at a time.
@@ -248,10 +236,10 @@ inline void add_rows_f16(float* __restrict__ acc, const c10::Half* const* rows_a
   }
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    __m256 v = kWeighted ? _mm256_mul_ps(wv[0], load8(p[0] + j)) : load8(p[0] + j);
+    __m256 v = kWeighted ? _mm256_mul_ps(wv[0], vec::load(p[0] + j)) : vec::load(p[0] + j);
     if (!kFirst) v = _mm256_add_ps(_mm256_loadu_ps(acc + j), v);
     for (int q = 1; q < kRows; ++q) {
-      v = _mm256_add_ps(v, kWeighted ? _mm256_mul_ps(wv[q], load8(p[q] + j)) : load8(p[q] + j));
+      v = _mm256_add_ps(v, kWeighted ? _mm256_mul_ps(wv[q], vec::load(p[q] + j)) : vec::load(p[q] + j));
     }
     _mm256_storeu_ps(acc + j, v);
   }
@@ -315,16 +303,8 @@ inline void add_rows_bf16(float* __restrict__ acc, const c10::BFloat16* const* r
   }
 }
 
-// c10's float32 -> bfloat16 rounding (to nearest, ties to even; a NaN becomes 0x7FC0) on 8 lanes, the result in
-// each lane's high half.
-inline __m256i round_bf16(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  return _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
-}
+// c10's float32 -> bfloat16 rounding on 8 lanes (vec.h), each result in its lane's high half.
+inline __m256i round_bf16(__m256 x) { return reinterpret_cast<__m256i>(vec::round_bf16(x)); }
 
 // The n sums of a tile laid out by add_rows_bf16 ([8 even | 8 odd] per 16 columns, the tail in order) to bfloat16.
 inline void narrow_bf16(const float* acc, int64_t n, c10::BFloat16* dst) {

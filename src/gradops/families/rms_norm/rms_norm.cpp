@@ -10,17 +10,13 @@
 // go into 16 lanes (column j into lane j % 16), added in a fixed tree order at the end of the row, so the bits
 // depend on N only. dgamma: row_blocks(M, N) fixed row blocks, each with a float32 partial row, folded by fold_rows.
 //
-// The loops run on 8 float32 at a time (F8, GCC / Clang vector extensions: element-wise operations, lowered to
-// AVX, SSE or NEON, or to scalars), loaded from and stored to each storage dtype by load8 / store8 below; the last
-// N % 8 columns of a row take the same formulas one at a time. Element-wise, so no reassociation: every column's
+// The loops run on 8 float32 at a time (F8: vec.h's lanes, GCC / Clang vector extensions lowered to AVX, SSE or
+// NEON, or to scalars), loaded from and stored to each storage dtype by vec.h's load / store; the last N % 8
+// columns of a row take the same formulas one at a time. Element-wise, so no reassociation: every column's
 // value is the same whichever width computed it.
 
 #include "kernels.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#define GRADOPS_RMS_NORM_F16C 1
-#endif
+#include "vec.h"
 
 #include <cmath>
 #include <cstring>
@@ -31,9 +27,9 @@ namespace gradops {
 namespace {
 
 // ---------------------------------------------------------------- 8 float32 at a time
-typedef float F8 __attribute__((vector_size(32)));
-typedef uint32_t U8 __attribute__((vector_size(32)));
-typedef uint16_t H8 __attribute__((vector_size(16)));
+using F8 = vec::Lanes;
+using vec::load;
+using vec::store;
 
 // The row helpers below are called once or twice per row: inlined, so that a short row pays no call (GCC left
 // sum_of_squares<float> out of line, +14% on the 64 x 128 float32 forward).
@@ -42,55 +38,6 @@ typedef uint16_t H8 __attribute__((vector_size(16)));
 // Lanes of a row sum: two F8 (two independent add chains hide the add latency). A column keeps its lane wherever
 // its row is cut: the loops step by kLanes, and the last N % kLanes columns go into lanes 0, 1, ... in order.
 constexpr int64_t kLanes = 16;
-
-// float32 from storage, exactly.
-inline F8 load8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline F8 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
-  U8 bits;
-  for (int k = 0; k < 8; ++k) bits[k] = static_cast<uint32_t>(p[k].x) << 16;  // one vpmovzxwd + vpslld on AVX2
-  F8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline F8 load8(const c10::Half* p) {
-#ifdef GRADOPS_RMS_NORM_F16C
-  // GCC does not vectorize c10::Half's one-at-a-time conversions: F16C's 8-wide one made the float16 forward ~2.7x
-  // faster (512 x 256: 79 -> 29 µs).
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  F8 v;
-  for (int k = 0; k < 8; ++k) v[k] = to_f32(p[k]);
-  return v;
-#endif
-}
-
-// Storage from float32, rounded to nearest even (c10's rounding; a NaN as c10 writes it).
-inline void store8(F8 v, float* p) { std::memcpy(p, &v, sizeof v); }
-
-inline void store8(F8 v, c10::BFloat16* p) {
-  U8 u;
-  std::memcpy(&u, &v, sizeof u);
-  const U8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const U8 nan = {0x7FC0u, 0x7FC0u, 0x7FC0u, 0x7FC0u, 0x7FC0u, 0x7FC0u, 0x7FC0u, 0x7FC0u};
-  // A select, not a mask-and-or: one blend (the and/or form cost ~10% of the bfloat16 forward at 512 x 256).
-  const U8 bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
-  const H8 h = __builtin_convertvector(bits, H8);
-  std::memcpy(p, &h, sizeof h);
-}
-
-inline void store8(F8 v, c10::Half* p) {
-#ifdef GRADOPS_RMS_NORM_F16C
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
-  for (int k = 0; k < 8; ++k) p[k] = from_f32<c10::Half>(v[k]);
-#endif
-}
 
 // The 16 lanes' sum in a fixed tree order: lane k absorbs lane k + w for w = 8, 4, 2, 1. The first step on the
 // whole F8s; the rest written out, in registers (the same steps as a loop over an array went through the stack,
@@ -156,7 +103,7 @@ GRADOPS_RMS_INLINE float sum_of_squares(const T* x, int64_t n) {
   return blocked_sum(
       n,
       [&](int64_t j, F8& a0, F8& a1) {
-        const F8 v0 = load8(x + j), v1 = load8(x + j + 8);
+        const F8 v0 = load(x + j), v1 = load(x + j + 8);
         a0 += v0 * v0;
         a1 += v1 * v1;
       },
@@ -172,7 +119,7 @@ GRADOPS_RMS_INLINE void sums_of_squares(const T* xa, const T* xb, int64_t n, flo
   F8 a0 = {}, a1 = {}, b0 = {}, b1 = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const F8 v0 = load8(xa + j), v1 = load8(xa + j + 8), w0 = load8(xb + j), w1 = load8(xb + j + 8);
+    const F8 v0 = load(xa + j), v1 = load(xa + j + 8), w0 = load(xb + j), w1 = load(xb + j + 8);
     a0 += v0 * v0;
     a1 += v1 * v1;
     b0 += w0 * w0;
@@ -196,7 +143,7 @@ GRADOPS_RMS_INLINE void sums_of_squares(const T* xa, const T* xb, int64_t n, flo
 template <class T, class G>
 GRADOPS_RMS_INLINE void scale_row(const T* x, const G* g, float s, T* y, int64_t n) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store8(load8(x + j) * s * load8(g + j), y + j);
+  for (; j + 8 <= n; j += 8) store(load(x + j) * s * load(g + j), y + j);
   for (; j < n; ++j) y[j] = from_f32<T>(to_f32(x[j]) * s * to_f32(g[j]));
 }
 
@@ -274,8 +221,8 @@ GRADOPS_RMS_INLINE float row_coef(const T* dy, const T* x, const G* g, float s, 
   const float sum = blocked_sum(
       n,
       [&](int64_t j, F8& a0, F8& a1) {
-        a0 += load8(dy + j) * load8(g + j) * load8(x + j);
-        a1 += load8(dy + j + 8) * load8(g + j + 8) * load8(x + j + 8);
+        a0 += load(dy + j) * load(g + j) * load(x + j);
+        a1 += load(dy + j + 8) * load(g + j + 8) * load(x + j + 8);
       },
       [&](int64_t i) { return to_f32(dy[i]) * to_f32(g[i]) * to_f32(x[i]); });
   return sum * s * inv_n;
@@ -287,7 +234,7 @@ GRADOPS_RMS_INLINE void put8(F8 v, T* p) {
   if constexpr (kStream && std::is_same_v<T, float>) {
     stream8(p, v);
   } else {
-    store8(v, p);
+    store(v, p);
   }
 }
 
@@ -313,14 +260,14 @@ void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g,
     const float c2 = row_coef(d2, x2, g, s2, inv_n, n), c3 = row_coef(d3, x3, g, s3, inv_n, n);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      const F8 gj = load8(g + j);
-      const F8 e0 = load8(d0 + j), e1 = load8(d1 + j), e2 = load8(d2 + j), e3 = load8(d3 + j);
-      const F8 h0 = load8(x0 + j) * s0, h1 = load8(x1 + j) * s1, h2 = load8(x2 + j) * s2, h3 = load8(x3 + j) * s3;
+      const F8 gj = load(g + j);
+      const F8 e0 = load(d0 + j), e1 = load(d1 + j), e2 = load(d2 + j), e3 = load(d3 + j);
+      const F8 h0 = load(x0 + j) * s0, h1 = load(x1 + j) * s1, h2 = load(x2 + j) * s2, h3 = load(x3 + j) * s3;
       put8<kStream>((e0 * gj - h0 * c0) * s0, o0 + j);
       put8<kStream>((e1 * gj - h1 * c1) * s1, o1 + j);
       put8<kStream>((e2 * gj - h2 * c2) * s2, o2 + j);
       put8<kStream>((e3 * gj - h3 * c3) * s3, o3 + j);
-      store8(load8(part + j) + (e0 * h0 + e1 * h1 + e2 * h2 + e3 * h3), part + j);
+      store(load(part + j) + (e0 * h0 + e1 * h1 + e2 * h2 + e3 * h3), part + j);
     }
     for (; j < n; ++j) {
       const float gj = to_f32(g[j]);
@@ -341,9 +288,9 @@ void rms_norm_grad_block(const T* dy, const T* x, const float* rstd, const G* g,
     const float c = row_coef(d, xr, g, s, inv_n, n);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-      const F8 e = load8(d + j), h = load8(xr + j) * s;
-      put8<kStream>((e * load8(g + j) - h * c) * s, o + j);
-      store8(load8(part + j) + e * h, part + j);
+      const F8 e = load(d + j), h = load(xr + j) * s;
+      put8<kStream>((e * load(g + j) - h * c) * s, o + j);
+      store(load(part + j) + e * h, part + j);
     }
     for (; j < n; ++j) {
       const float e = to_f32(d[j]), h = to_f32(xr[j]) * s;
