@@ -50,11 +50,13 @@ GRADOPS_VEC Lanes min_lanes(Lanes a, Lanes b) {
 }
 
 // load(): 8 items as float32 lanes; store(): 8 lanes into the items' dtype. The bits are c10's: exact widening,
-// round-to-nearest-even narrowing, a NaN as c10 makes it (bf16 0x7FC0, fp16 the hardware's quiet NaN). The generic
-// ones serve fp16 without F16C, and float64, which GRADOPS_DISPATCH_FLOATS instantiates but the kernels refuse
-// (float64 calls take the float64 reference).
+// round-to-nearest-even narrowing, a NaN as c10 makes it (bf16 0x7FC0, fp16 the hardware's quiet NaN).
+
+// One item at a time, c10's conversions (float16 without F16C, float64). Plain overloads, not a template: a template
+// load(const T*) ties with c10's own ``c10::load(const T*)``, which argument-dependent lookup finds for c10::Half
+// (a CPU without F16C then failed to compile: "call of overloaded 'load(const c10::Half*)' is ambiguous").
 template <class T>
-GRADOPS_VEC Lanes load(const T* p) {
+GRADOPS_VEC Lanes widen_each(const T* p) {
   float f[kLanes];
   for (int64_t k = 0; k < kLanes; ++k) f[k] = static_cast<float>(p[k]);
   Lanes v;
@@ -63,7 +65,7 @@ GRADOPS_VEC Lanes load(const T* p) {
 }
 
 template <class T>
-GRADOPS_VEC void store(Lanes v, T* p) {
+GRADOPS_VEC void narrow_each(Lanes v, T* p) {
   float f[kLanes];
   std::memcpy(f, &v, sizeof v);
   for (int64_t k = 0; k < kLanes; ++k) p[k] = static_cast<T>(f[k]);
@@ -129,7 +131,15 @@ GRADOPS_VEC Lanes load(const c10::Half* p) {
 GRADOPS_VEC void store(Lanes v, c10::Half* p) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
+#else
+GRADOPS_VEC Lanes load(const c10::Half* p) { return widen_each(p); }
+GRADOPS_VEC void store(Lanes v, c10::Half* p) { narrow_each(v, p); }
 #endif
+
+// float64: GRADOPS_DISPATCH_FLOATS instantiates the kernels for it, which refuse it (float64 calls take the float64
+// reference), so these only have to compile.
+GRADOPS_VEC Lanes load(const double* p) { return widen_each(p); }
+GRADOPS_VEC void store(Lanes v, double* p) { narrow_each(v, p); }
 
 // ``f(lo, hi)`` over [0, n): on the calling thread below kParallelMin items (a parallel region costs ~1.6 µs to
 // start, more than the threads save), else in ``chunk``-item chunks over torch's threads. Elementwise work: no split
