@@ -78,8 +78,9 @@ bool plain(const Tensor& t) {
 }
 
 // The Python formula of each op's backward (create_graph=True, a forked child, a gradient that is not plain); set
-// once by gradops.native.
-// Leaked on purpose: a static py::object would be released after the interpreter is gone.
+// once by gradops.native. Thread rules: written by set_differentiable and read by python_backward, both with the GIL
+// held (the engine's threads take it first). Leaked on purpose: a static py::object would be released after the
+// interpreter is gone.
 py::object* differentiable[kOps] = {nullptr, nullptr, nullptr};
 
 // ``extra``: what the formula needs besides tensors (LayerNorm's eps; the embedding's table rows, padding row and
@@ -118,6 +119,9 @@ constexpr int64_t kPage = 4096;
 constexpr int64_t kHuge = 2 << 20;     // a transparent huge page
 constexpr int64_t kHugeMin = 4 << 20;  // numpy's threshold for advising them
 
+// Thread rules: ``free`` and ``free_bytes`` are touched only under ``lock`` (a tensor's deleter runs on whichever
+// thread drops it, the GIL held or not); no critical section takes the GIL or calls into Python, so the two locks
+// never nest. fork(): see the pthread_atfork handlers in the module's init.
 struct BlockPool {
   std::mutex lock;
   std::unordered_map<int64_t, std::vector<void*>> free;

@@ -66,6 +66,12 @@ struct Program {
   bool tuple = false;            // returned as a tuple (else the one tensor)
 };
 
+// Thread rules: ``programs`` and ``op_ids`` are read and written with the GIL held, and only so. Every entry point
+// here is called from Python (direct, direct_into, remember, forget_calls, direct_op), which holds the GIL; none
+// releases it. A replayed program's kernels run with the GIL held too (unlike kernels.cpp's binding, which releases
+// it): the Program they read lives in ``programs[op]``, which another thread's ``remember`` may grow and so move.
+// The kernels split their own work over torch's intra-op threads, so holding the GIL serialises only the Python
+// threads that call gradops, not the work.
 std::vector<std::vector<Program>> programs;  // by op id (direct_op)
 std::unordered_map<std::string, int64_t> op_ids;
 constexpr size_t kProgramLimit = 64;  // a model has a handful of shapes per op; a shape sweep starts over
