@@ -15,8 +15,16 @@ from gradops import families
 
 PACKAGE = Path(families.__file__).resolve().parents[1]
 FOLDERS = {p.name for p in Path(families.__file__).parent.iterdir() if (p / "__init__.py").is_file()}
-#: Module attributes that are torch's, not gradops' (``F.layer_norm``, ``torch.rms_norm``, ``aten.hardswish``).
-TORCH_OWNERS = {"torch", "F", "nn", "functional", "aten", "ops", "_C"}
+#: Module attributes that are torch's, not gradops' (``F.layer_norm``, ``torch.rms_norm``, ``aten.hardswish``,
+#: ``torch.ops.aten.x``): an attribute whose chain starts at one of these names.
+TORCH_ROOTS = {"torch", "F", "aten"}
+
+
+def _torch_attribute(node: ast.Attribute) -> bool:
+    owner = node.value
+    while isinstance(owner, ast.Attribute):
+        owner = owner.value
+    return isinstance(owner, ast.Name) and owner.id in TORCH_ROOTS
 
 
 def _names(family: str) -> set[str]:
@@ -43,9 +51,7 @@ def named_in_code(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.Name):
             found.add(node.id)
         elif isinstance(node, ast.Attribute):
-            owner = node.value
-            if not ((isinstance(owner, ast.Name) and owner.id in TORCH_OWNERS)
-                    or (isinstance(owner, ast.Attribute) and owner.attr in TORCH_OWNERS)):
+            if not _torch_attribute(node):
                 found.add(node.attr)
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             found.add(node.name)
@@ -84,9 +90,10 @@ def test_the_room_check_sees_names():
     """The check finds an op named in code, whatever the form, and ignores docstrings and torch's own functions."""
     code = '''"""rms_norm_grad in a docstring does not count."""
 import torch.nn.functional as F
-y = F.layer_norm(x, (4,))
+y = F.layer_norm(x, (4,)) + torch.ops.aten.hardswish(x)
 '''
-    assert not named_in_code(ast.parse(code)) & {"rms_norm_grad", "layer_norm"}
+    assert not named_in_code(ast.parse(code)) & {"rms_norm_grad", "layer_norm", "hardswish"}
+    assert "rms_norm" in named_in_code(ast.parse("ops.rms_norm(x, g)"))  # gradops.ops, not torch.ops
     for use in ("gradops.rms_norm_grad(x)", "plan = {'rms_norm_grad': 1}", "from .x import rms_norm_grad",
                 "def _rms_norm_grad(): pass"):
         assert "rms_norm_grad" in named_in_code(ast.parse(use)), use
