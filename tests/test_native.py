@@ -457,19 +457,19 @@ def test_registering_a_backward_again_releases_the_one_before(monkeypatch):
 def test_every_source_compiles_for_the_portable_baseline(source):
     """The extension is built with -march=native, and on a CPU without F16C or AVX2 (an older x86, a virtual machine
     that hides them) the vector layer's portable branches are the ones compiled: each source must compile for
-    -march=x86-64 too (a template ``load`` once tied with c10's under argument-dependent lookup there)."""
+    -march=x86-64 too (a template ``load`` once tied with c10's under argument-dependent lookup there). The flags are
+    the ones this torch's extension builder used for the build here (its build.ninja), -march changed."""
     import platform
+    import shlex
     import shutil
-    import sysconfig
-    from pathlib import Path
 
-    from torch.utils.cpp_extension import include_paths
-
+    ninja = native.build_dir() / "build.ninja"
     compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs a C++ compiler targeting x86-64")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64") or not ninja.is_file():
+        pytest.skip("needs a C++ compiler targeting x86-64 and the extension built here")
+    line = next(ln for ln in ninja.read_text().splitlines() if ln.startswith("cflags = "))
+    flags = [f for f in shlex.split(line.removeprefix("cflags = ")) if not f.startswith("-march=")]
     path = next(p for p in native.SOURCES if p.name == source)
-    includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"], Path(native.__file__).parent)]
-    done = subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-march=x86-64", *includes, str(path)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([compiler, *flags, "-march=x86-64", "-fsyntax-only", str(path)], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

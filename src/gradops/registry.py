@@ -2,9 +2,9 @@
 command line (``check``, ``golden``, ``env``, ``bench``), the measurements, the sharding rules, the CANN surfaces'
 argument names, the tests and the backends' coverage read.
 
-Each entry of :data:`OPS` is an operator every backend implements under the same name (``gradops.reference``,
-``gradops.cpu``, ``gradops.launch``; a backend that lacks one leaves it to the reference, see
-:mod:`gradops.backend`) and that the package exports as a public function of that name. :data:`SPECS` adds the
+Each entry of :data:`OPS` is an operator the backends implement (its declaration's ``providers``: ``torch``,
+``cpu``, ``triton``; a backend it does not list leaves it to the reference, see :mod:`gradops.backend`) and that
+the package exports as a public function of its name. :data:`SPECS` adds the
 ops no backend implements (``gradops.embedding``, the lookup: a gather with its backward attached).
 """
 

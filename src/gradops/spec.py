@@ -1,10 +1,10 @@
 """What an operator is, declared once: :class:`OpSpec`.
 
-Each op family's declarations live in :mod:`gradops.specs` (``specs/<family>.py``), and every surface that is not
-the op's own runtime reads them from :mod:`gradops.registry`: the backends' coverage and the command line
-(``check``, ``golden``, ``bench``, ``env``), the per-call and first-call measurements, the size sweep, the
-DTensor sharding rules and the CANN spelling of argument names. None of those modules names an op; adding one is
-a declaration here, not an edit to each of them.
+Each op family's declarations live in its folder (``families/<family>/spec.py``), and everything reads them from
+:mod:`gradops.registry` or the op's own module: the runtime (each backend's implementation, :attr:`OpSpec.providers`)
+and the command line (``check``, ``golden``, ``bench``, ``env``), the per-call and first-call measurements, the
+size sweep, the DTensor sharding rules and the CANN spelling of argument names. None of those modules names an op;
+adding one is a declaration, not an edit to each of them (docs/adding-an-op.md).
 
 This module is a leaf: it imports torch and nothing from gradops, so that a declaration never pulls in the
 runtime (the specs are read by the CLI before any kernel loads).

@@ -13,7 +13,7 @@ Providers (all compute the same gradients from the same inputs):
 - ``copy_``: ``dst.copy_(src)`` of the op's largest tensor, the bandwidth yardstick of the same run.
 
 Each op declares its shapes, inputs, peers and byte floor (what each GB/s figure divides by, s = element size;
-docs/performance.md §1.2 derives them) in its family's :mod:`gradops.specs` module (:class:`gradops.spec.Bench`);
+docs/performance.md §1.2 derives them) in its family's ``spec.py`` (:class:`gradops.spec.Bench`);
 this module builds the providers from that declaration.
 """
 

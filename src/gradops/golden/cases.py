@@ -16,7 +16,7 @@ The third party is PyTorch on ``device`` where it has the operator: the forwards
 and LayerNormGrad's pd_x (``aten.native_layer_norm_backward``), ``aten.hardswish_backward`` and
 ``aten.embedding_dense_backward``; else (the statistics, LayerNormGrad's res_for_gamma, LayerNormGradBeta, the MoE
 family) gradops' own kernel on ``device``. The manifest names the source per output. Each op declares its inputs,
-options and third party in its :mod:`gradops.specs` module (:class:`gradops.spec.Golden`).
+options and third party in its family's ``spec.py`` (:class:`gradops.spec.Golden`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Triton host launchers: the ``triton`` backend of :mod:`gradops.backend`.
 
-Each function carries an op name and the backend signature (2-D views prepared by :mod:`gradops.ops`); each
-allocates its outputs, picks tiles from :mod:`gradops.kernels` and launches. Ops with scratch memory expose
-``<op>_workspace(<same args>) -> bytes`` and accept ``workspace=`` (a uint8 device tensor). CUDA tensors run
-compiled kernels; CPU tensors only under ``TRITON_INTERPRET=1`` (tests). Importing this module needs triton.
+Each family's ``launch.py`` holds its launchers (the backend signature: the 2-D views its ``ops.py`` prepares; each
+allocates its outputs, picks tiles and launches the family's ``kernels.py``) and one ``Impl`` per op, which the op's
+declaration provides to the backend; ops with scratch memory declare a workspace hook (bytes for the same args) and
+accept ``workspace=`` (a uint8 device tensor). This package holds what they share (:mod:`gradops.launch._common`:
+launches, index checks, workspace carving; the interpreter's fixes) and re-exports the launchers. CUDA tensors run
+compiled kernels; CPU tensors only under ``TRITON_INTERPRET=1`` (tests). Importing this package needs triton.
 """
 
 from .._runtime import interpreting

@@ -62,7 +62,7 @@ def register() -> None:
         return
 
     R, P = Replicate(), Partial()
-    for spec in SPECS:  # each op declares its rule (gradops.specs)
+    for spec in SPECS:  # each op declares its rule (its family's spec.py)
         if spec.sharding is not None:
             register_sharding(getattr(torch.ops.gradops, spec.name).default)(spec.sharding(R, P, Shard))
     _registered = True

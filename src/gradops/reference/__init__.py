@@ -1,7 +1,8 @@
 """Pure-torch implementations: the formulas of record, the portable path (any device), and - run with
 ``compute=torch.float64`` - the oracle of ``gradops check``.
 
-Functions take the 2-D views and checked indices the dispatch layer prepares; they never validate.
+Each family's ``reference.py`` holds its functions, which take the 2-D views and checked indices the op's call plan
+prepares (they never validate), and one ``Impl`` per op for the ``torch`` backend; this package re-exports them.
 """
 
 from ..families.embedding.reference import embedding_dense_backward
