@@ -79,9 +79,9 @@ GRADOPS_VEC Lanes load(const float* p) {
 
 GRADOPS_VEC void store(Lanes v, float* p) { std::memcpy(p, &v, sizeof v); }
 
-// bf16: the bits shifted into the top half; rounding adds 0x7FFF plus the lowest kept bit. With AVX2, one widening
-// load and one pack where GCC's generic conversions take five and three instructions: bf16 backward at 128 Ki items
-// 46 µs against 66 on one thread.
+// bf16 loads: the bits shifted into the top half. With AVX2, one widening load and a shift where GCC's generic
+// conversion takes five instructions (Hardswish's bf16 backward at 128 Ki items: 46 µs against 66 on one thread,
+// with the store below).
 GRADOPS_VEC Lanes load(const c10::BFloat16* p) {
 #if defined(__AVX2__)
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
