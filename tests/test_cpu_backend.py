@@ -227,7 +227,7 @@ def test_out_is_validated():
 # ---------------------------------------------------------------- an output that is an input
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_hardswish_kernels_give_the_same_bits_into_an_input(dtype):
-    """The native node writes dx into the upstream gradient it owns (autograd.cpp's owned_like): the kernels read a
+    """The native node writes dx into the upstream gradient it owns (nodes.h's owned_like): the kernels read a
     step's items before they write them, so an output that is an input gets a separate output's bits - over whole
     8-item steps, a tail, and the parallel chunks (from PARALLEL_MIN items)."""
     from gradops.cpu._host import PARALLEL_MIN, kernel

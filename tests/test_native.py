@@ -176,6 +176,60 @@ def test_strided_upstream_gradient(make):
         same(ours, python)
 
 
+class _SwiGlu(torch.nn.Module):
+    """gradops.swiglu as a module (what gradops.transformers' experts call), for native_paths.both."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gradops.swiglu(x, self.dim)
+
+
+# (shape, dim): the per-call end; a middle split dim (rows before it, columns after it); 512 x 512, above the
+# parallel threshold; an odd half width (17), no vector-width multiple.
+SWIGLU_CASES = [((8, 16), -1), ((3, 6, 10), 1), ((512, 512), -1), ((7, 34), -1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("shape", "dim"), SWIGLU_CASES, ids=str)
+def test_swiglu_node_matches_python_path(shape, dim, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype).requires_grad_()
+    out_shape = list(shape)
+    out_shape[dim] //= 2
+    w = torch.randn(out_shape).to(dtype)
+    name, name_py, ours, python = both(_SwiGlu(dim), x, lambda y: (y * w).sum())
+    assert name == "gradops_native::SwiGluBackward"
+    assert "gradops_native" not in name_py
+    same(ours, python)
+
+
+def test_swiglu_node_double_backward_and_batched_gradients():
+    """create_graph=True and batched cotangents reach the SwiGLU node's backward, which hands them to the op (its
+    Python formula): the same bits as the Python path, and the loop's answer."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(6, 8)
+    results = []
+    for flag in (True, False):
+        native.set_enabled(flag)
+        x.grad = None
+        y = gradops.swiglu(x)
+        assert ("gradops_native" in y.grad_fn.name()) == flag
+        (gx,) = torch.autograd.grad((y * y * w).sum(), x, create_graph=True)
+        (gx * gx).sum().backward()
+        results.append([gx.detach(), x.grad])
+    native.set_enabled(True)
+    same(*results)
+    y = gradops.swiglu(x)
+    cotangents = torch.randn(3, 6, 8)
+    (batched,) = torch.autograd.grad(y, x, cotangents, retain_graph=True, is_grads_batched=True)
+    looped = torch.stack([torch.autograd.grad(y, x, c, retain_graph=True)[0] for c in cotangents])
+    assert torch.equal(batched, looped)
+
+
 def test_strided_input_takes_the_python_path():
     """A non-contiguous x keeps the Python Function (which lays y out like x); results as before."""
     x = torch.randn(64, 32).t().requires_grad_()

@@ -114,3 +114,25 @@ def test_no_piece_is_found_by_a_name_built_from_a_string():
                     and any(isinstance(a, ast.JoinedStr) for a in node.args[:2]) and rel not in allowed):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, found
+
+
+def _cpp_code(text: str) -> str:
+    """C++ source without its comments (line and block)."""
+    import re
+
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+def test_the_shared_cpp_names_no_op():
+    """The extension's shared C++ (gradops/native: the module, the node helpers, the pool, the direct calls, the
+    kernel registry) names no op in code: each family's kernels and native node live in its own .cpp, which adds
+    itself (GRADOPS_KERNEL, GRADOPS_MODULE_PART)."""
+    import re
+
+    ops = {name for family in FOLDERS for name in _names(family)}
+    for source in sorted((PACKAGE / "native").glob("*.[ch]*")):
+        if source.suffix not in (".cpp", ".h"):
+            continue
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", _cpp_code(source.read_text())))
+        words |= {w.lower() for w in words}
+        assert not ops & words, f"{source.name} names {sorted(ops & words)}"

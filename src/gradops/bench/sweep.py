@@ -69,7 +69,7 @@ def steady_malloc() -> str:
     and gradops' module swung the same way (its 512 KiB outputs come from malloc too). A trim threshold of 1 GiB and
     a fixed mmap threshold of 32 MiB (the largest glibc takes) keep every freed block below 32 MiB mapped, as
     jemalloc and tcmalloc do: the sweep then times the ops. gradops' own outputs from 1 MiB on come from its pool
-    either way (gradops/native/autograd.cpp). Elsewhere than glibc nothing is changed."""
+    either way (gradops/native/pool.cpp). Elsewhere than glibc nothing is changed."""
     if not sys.platform.startswith("linux"):
         return "platform default"
     try:

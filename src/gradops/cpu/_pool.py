@@ -32,7 +32,7 @@ from .. import _runtime, native
 
 ENV = "GRADOPS_CPU_POOL_MB"
 #: Below 1 MiB outputs come from malloc: a numpy block and its finalizer cost ~10 µs per output, and even the
-#: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/autograd.cpp, whose
+#: extension's ~1 µs blocks made a whole model slower at smaller sizes (see gradops/native/pool.cpp, whose
 #: kPoolMin is the one definition: this package loads only with the extension).
 MIN_BYTES: int = native.kernels().POOL_MIN
 _VIEW = {torch.float32: (np.float32, None), torch.int32: (np.int32, None), torch.int64: (np.int64, None),
@@ -48,7 +48,7 @@ _native = None
 
 def use_native(extension) -> None:
     """Serve pooled outputs from ``extension``'s pool (``pool_empty``, ``pool_clear``, ``pool_free_bytes``: see
-    gradops/native/autograd.cpp) from now on; blocks this module held before stay here until :func:`clear`."""
+    gradops/native/pool.cpp) from now on; blocks this module held before stay here until :func:`clear`."""
     global _native
     _native = extension
 

@@ -1,10 +1,11 @@
-"""gradops' C++ extension: the CPU kernels (``kernels.h`` and one file per op family), the native autograd nodes
-(``autograd.cpp``) and the direct calls (``direct.cpp``).
+"""gradops' C++ extension: the CPU kernels (``kernels.h``), the native autograd nodes (``nodes.h``), both in one
+file per op family (``families/<family>/*.cpp``), the direct calls (``direct.cpp``) and the output pool
+(``pool.cpp``); ``autograd.cpp`` makes the module.
 
 The kernels are what :mod:`gradops.cpu` runs (:func:`kernels`). A ``torch.autograd.Function`` costs a Python call
 per forward and per backward; around ATen's own kernels it is already 1.3-1.4x torch's native node at 64 x 128
 (fwd + bwd, 2 cores). The nodes are C++ autograd nodes written as torch's generated ones are, and call the same
-registered kernels as the Python path, so results are the same bits; see ``autograd.cpp`` for what stays in Python
+registered kernels as the Python path, so results are the same bits; see ``nodes.h`` for what stays in Python
 (validation, the double backward). The same extension replays the public functions' eager calls that nothing
 records from programs remembered per argument metadata (``direct.cpp``, :mod:`gradops.cpu.programs`).
 
@@ -40,9 +41,10 @@ from .. import _runtime
 from .._compat import HAS_OPENMP
 
 _HERE = Path(__file__).parent
-#: The extension's sources: what the families share here (kernels.cpp: the kernels' registry; the autograd nodes,
-#: the direct calls of the public functions, the vector layer), and each family's kernels in its own folder
-#: (``families/<family>/*.cpp``, which include this folder's headers).
+#: The extension's sources: what the families share here (kernels.cpp: the kernels' registry; autograd.cpp: the
+#: module and the nodes' shared part; the direct calls of the public functions, the output pool, the vector layer),
+#: and each family's kernels and node in its own folder (``families/<family>/*.cpp``, which include this folder's
+#: headers).
 SOURCES = tuple(sorted(_HERE.glob("*.cpp"))) + tuple(sorted(_HERE.parent.glob("families/*/*.cpp")))
 HEADERS = tuple(sorted(_HERE.glob("*.h"))) + tuple(sorted(_HERE.parent.glob("families/*/*.h")))
 ENV = "GRADOPS_NATIVE"
@@ -463,7 +465,7 @@ def node(select: Callable[[ModuleType], tuple[int, Callable]],
     :func:`module`). ``select(ext)`` picks the extension's constant naming the op and its function
     (``lambda ext: (ext.HARDSWISH, ext.hardswish)``). ``differentiable(inputs, extra)`` is the op's Python backward,
     for the backwards the kernels do not run (``create_graph=True``, a forked child, a gradient that is not a plain
-    tensor: see autograd.cpp), registered with the extension on first use."""
+    tensor: see nodes.h), registered with the extension on first use."""
     ext = module()
     if ext is None:
         return None

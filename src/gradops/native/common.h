@@ -1,5 +1,5 @@
-// What gradops' two native parts share: the autograd nodes (autograd.cpp) and the direct calls of the public
-// functions (direct.cpp). One extension, one module: autograd.cpp defines what is declared here.
+// What gradops' native parts share: the autograd nodes (nodes.h; the families' files), the direct calls of the
+// public functions (direct.cpp) and the output pool (pool.cpp). One extension, one module, made by autograd.cpp.
 #pragma once
 
 #include "kernels.h"
@@ -46,7 +46,7 @@ inline int64_t float_bits(double value) {
   return bits;
 }
 
-// A contiguous CPU tensor from the output pool (see autograd.cpp): recycled blocks from 1 MiB on.
+// A contiguous CPU tensor from the output pool (see pool.cpp): recycled blocks from 1 MiB on.
 at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // torch.Tensor and torch.nn.Parameter, set once by gradops.native: the exact types the eager paths take.
@@ -64,9 +64,10 @@ bool foreign_tensor(const at::Tensor& t);
 // std::getenv(name), or "\x01" when unset (a plan remembers both variables the backend decision reads).
 const char* env_or_unset(const char* name);
 
-// direct.cpp's and kernels.cpp's parts of the module.
+// direct.cpp's, kernels.cpp's and pool.cpp's parts of the module.
 void register_direct(py::module_& m);
 void register_kernels(py::module_& m);
+void register_pool(py::module_& m);
 
 // The remembered calls (direct.cpp): one entry per (op, argument metadata), gradops' call plan as the extension
 // replays it. direct_op: the op's id by its name (the same id for the same name). node_known: whether the op's

@@ -11,7 +11,7 @@
 // the Python path runs, so the results are the Python path's bits. A later call with the same metadata is this
 // file: the eager test, the key, the allocations, the kernel.
 //
-// The same table says, for the ops with a native autograd node (autograd.cpp: hardswish, layer_norm, embedding),
+// The same table says, for the ops with a native autograd node (nodes.h; each family's .cpp holds its own),
 // whether the node takes recorded calls of these metadata: one remembered entry per (op, argument metadata), the
 // extension's copy of gradops' call plan for them (gradops.ops._plan.CallPlan), dropped with it.
 //

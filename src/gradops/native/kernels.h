@@ -3,12 +3,12 @@
 // Every CPU kernel of every op is a C++ function registered here by name (GRADOPS_KERNEL in the op family's file,
 // e.g. rms_norm.cpp) and called three ways with the same bits: by gradops.cpu's host entries (the Python path,
 // through the extension's ``kernel`` binding), by the direct calls' programs (direct.cpp) and by the autograd nodes
-// (autograd.cpp). Compiled ahead of time with the extension, so no call ever waits for a compiler.
+// (nodes.h, in the family's file). Compiled ahead of time with the extension, so no call ever waits for a compiler.
 //
 // The convention: ``int64_t kernel(const KernelArgs& a)``.
 //  - ``a.in``: the op's tensor arguments in the op's order, each contiguous on the CPU (an undefined tensor for an
 //    optional one that is absent); never written, unless the family's file says a result may alias one (an
-//    upstream gradient nobody else holds, see owned_like in autograd.cpp).
+//    upstream gradient nobody else holds, see owned_like in nodes.h).
 //  - ``a.out``: the results, allocated by the caller, contiguous, of the op's result spec; the kernel writes every
 //    element (zero-fill included) and nothing else.
 //  - ``a.ints`` / ``a.floats``: the rest of the call (rows, columns, scalars), in the order the family's file
@@ -152,7 +152,7 @@ inline void stream_fence() {}
 
 // Whether a rows x n result of T at p is streamed: float32, at least kStreamBytes, every row's 8-element groups
 // 32-byte aligned, and the result in gradops' output pool, whose blocks of 4 MiB and more are 2 MiB-aligned mappings
-// advised for transparent huge pages (autograd.cpp: map_block). Streamed into 4 KiB pages (a caller's out= from
+// advised for transparent huge pages (pool.cpp: map_block). Streamed into 4 KiB pages (a caller's out= from
 // torch.empty where THP is "madvise") the 8192 x 4096 fp32 LayerNorm backward took 19.4 ms against 15.0-16.6 with
 // ordinary stores; into the pool's blocks 12.8-14.3 against 13.9-15.1. 2 MiB alignment is how the pool's blocks are
 // told apart by address alone.

@@ -135,7 +135,7 @@ def _without_hooks(args: tuple) -> str:
 def python_allows_native() -> bool:
     """The part of the native nodes' eager-path test only Python can answer: grad mode on, the direct path on, not
     tracing under torch.compile (dynamo answers ``is_compiling`` while it traces, and must never see the
-    extension's calls). The rest is the extension's ``recordable``, one C++ call (see autograd.cpp)."""
+    extension's calls). The rest is the extension's ``recordable``, one C++ call (see native/nodes.h)."""
     return torch.is_grad_enabled() and not _missing and _enabled and not _is_compiling()
 
 

@@ -16,10 +16,12 @@
 // bytes (counting sort) or 2·T·8 (radix sort).
 
 #include "kernels.h"
+#include "nodes.h"
 
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 namespace gradops {
 namespace {
@@ -383,9 +385,102 @@ int64_t embedding(const KernelArgs& a) {
   return lookup<int32_t>(weight, idx, y);
 }
 
-}  // namespace
-
 GRADOPS_KERNEL("embedding", embedding);
 GRADOPS_KERNEL("embedding_dense_backward", embedding_dense_backward);
 
+// ---- the native node (nodes.h): gradops.nn.Embedding's recorded call
+//
+// The lookup, weight (V, E) rows at the indices; backward aclnnEmbeddingDenseBackward into a new table.
+
+const int64_t kFormula = formula_slot();
+
+struct EmbeddingBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable indices_;
+  int64_t num_weights_ = 0, padding_ = -1;
+  bool scale_ = false;
+
+  std::string name() const override { return "gradops_native::EmbeddingBackward"; }
+  void release_variables() override { indices_.reset_data(); }
+
+  variable_list python(const at::Tensor& grad, const at::Tensor& idx) {
+    return {python_backward(kFormula, {grad, idx}, std::make_tuple(num_weights_, padding_, scale_))[0]};
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor idx = indices_.unpack(getptr());
+    // Indices freed after the forward (see hollow): the op refuses them with its OpError.
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || hollow(idx)) return python(grads[0], idx);
+    at::Tensor grad = grads[0].contiguous();
+    at::Tensor table = output({num_weights_, grad.size(-1)}, grad.options());
+    const std::array<at::Tensor, 2> in{grad, idx};
+    const std::array<int64_t, 3> ints{num_weights_, padding_, scale_};
+    // An index outside the table: the saved indices were changed behind autograd's back (.data, numpy). The op
+    // raises its OpError for them.
+    if (embedding_dense_backward({in, table, ints, {}}) >= 0) return python(grads[0], idx);
+    return {table};
+  }
+};
+
+// weight[indices] for contiguous weight (V, E) and int32 / int64 indices, recorded when weight requires grad; an
+// undefined tensor when an index lies outside the table (the caller's Python path raises the OpError).
+at::Tensor embedding_node(const at::Tensor& weight, const at::Tensor& indices, int64_t padding, bool scale) {
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
+  shape.push_back(weight.size(1));
+  at::Tensor y = output(shape, weight.options());
+  // The rows: a copy of storage items, the bits of the Python path's index_select, after the range test. ATen's
+  // index_select_out here cost ~1.5 µs of dispatch at 8 x 8.
+  const std::array<at::Tensor, 2> in{weight, indices};
+  if (embedding({in, y, {}, {}}) >= 0) return at::Tensor();
+  if (at::GradMode::is_enabled() && weight.requires_grad()) {
+    NodeRef ref = make_node<EmbeddingBackward>();
+    auto* node = static_cast<EmbeddingBackward*>(ref.get());
+    node->indices_ = torch::autograd::SavedVariable(indices, false);
+    node->num_weights_ = weight.size(0);
+    node->padding_ = padding;
+    node->scale_ = scale;
+    record(ref, y, weight);
+  }
+  return y;
+}
+
+py::object embedding_entry(const at::Tensor& weight, const at::Tensor& indices, int64_t padding, bool scale) {
+  require_whole(weight, "weight");
+  require_whole(indices, "indices");
+  at::Tensor y = embedding_node(weight, indices, padding, scale);
+  return y.defined() ? py::cast(y) : py::none();
+}
+
+// embedding_planned(weight, indices, padding_idx, scale_grad_by_freq): the recorded lookup on a remembered call's
+// metadata (direct.cpp), or None; a padding row that is not an int or a scaling that is not a bool is the op's to
+// refuse.
+PyObject* embedding_planned(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  static const int64_t call_id = direct_op("embedding");
+  if (!arity("embedding_planned", nargs, 4)) return nullptr;
+  if (!PyLong_CheckExact(args[2]) || !PyBool_Check(args[3])) Py_RETURN_NONE;
+  int overflow = 0;
+  const long long padding = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+  if (overflow != 0) Py_RETURN_NONE;  // no remembered call has such a key
+  if (!node_call(call_id, std::array<py::handle, 2>{args[0], args[1]}, args, 4)) Py_RETURN_NONE;
+  at::Tensor y = embedding_node(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), padding, args[3] == Py_True);
+  if (!y.defined()) Py_RETURN_NONE;
+  return py::cast(y).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef planned[] = {
+    {"embedding_planned", fastcall(embedding_planned), METH_FASTCALL,
+     "the recorded embedding lookup on a remembered call's metadata, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+void module_part(py::module_& m) {
+  m.attr("EMBEDDING") = kFormula;
+  m.def("embedding", &embedding_entry,
+        "weight[indices], contiguous; backward aclnnEmbeddingDenseBackward; None for an index outside the table");
+  if (PyModule_AddFunctions(m.ptr(), planned) != 0) throw py::error_already_set();
+}
+
+GRADOPS_MODULE_PART(module_part);
+
+}  // namespace
 }  // namespace gradops

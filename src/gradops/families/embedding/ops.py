@@ -244,7 +244,7 @@ _embedding_dense_backward.register_autograd(_embedding_dense_backward_backward,
 
 def _differentiable_backward(inputs: list[Tensor], extra: tuple[int, int, bool]) -> tuple[Tensor]:
     """The native node's backward where it does not run its kernels itself (``create_graph=True``, a forked child, a
-    gradient that is not plain, an index changed behind autograd's back: see autograd.cpp): the op, which records
+    gradient that is not plain, an index changed behind autograd's back: see embedding.cpp): the op, which records
     a second derivative, dispatches what is not plain and refuses an index outside the table."""
     grad, indices = inputs
     num_weights, padding_idx, scale_grad_by_freq = extra

@@ -10,11 +10,12 @@
 //
 // Each step loads its 8 items of every input before it stores its 8 results, so an output that is one of the
 // inputs gives the bits of a separate one: the native node's backward writes dx into the upstream gradient nobody
-// else holds (owned_like in autograd.cpp), reading two streams and writing one back where a new output costs a
+// else holds (owned_like, nodes.h), reading two streams and writing one back where a new output costs a
 // third stream's read-for-ownership and an allocation. (An auto-vectorized loop given its output among its inputs
 // takes its scalar version at the runtime overlap test: 2.7 ms for 4 Mi fp32 items on one thread against 1.05.)
 
 #include "kernels.h"
+#include "nodes.h"
 #include "vec.h"
 
 #include <cstring>
@@ -123,6 +124,93 @@ int64_t hardswish_backward_kernel(const KernelArgs& a) {
 
 GRADOPS_KERNEL("hardswish", hardswish_kernel);
 GRADOPS_KERNEL("hardswish_backward", hardswish_backward_kernel);
+
+// ---- the native node (nodes.h): gradops.nn.Hardswish's recorded call, and the public functions' eager calls
+
+const int64_t kFormula = formula_slot();
+
+// Hardswish and its backward on contiguous tensors, for the node and for the public functions (gradops.hardswish,
+// gradops.hardswish_backward when nothing records them). ``dx`` may be ``g`` itself (see owned_like): the kernel
+// reads each item before it writes it.
+at::Tensor hardswish_values(const at::Tensor& x) {
+  at::Tensor y = output(x.sizes(), x.options());
+  hardswish_kernel({x, y, {}, {}});
+  return y;
+}
+
+at::Tensor hardswish_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& dx) {
+  const std::array<at::Tensor, 2> in{g, x};
+  hardswish_backward_kernel({in, dx, {}, {}});
+  return dx;
+}
+
+struct HardswishBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable self_;
+
+  std::string name() const override { return "gradops_native::HardswishBackward"; }
+  void release_variables() override { self_.reset_data(); }
+
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor x = self_.unpack(getptr());
+    // A saved x whose storage was freed after the forward (see hollow): the formula's op refuses it.
+    if (at::GradMode::is_enabled() || forked || !plain(grads[0]) || hollow(x)) {
+      return {python_backward(kFormula, {grads[0], x}, 0.0)[0]};
+    }
+    if (owned_like(grads[0], x)) {
+      at::Tensor g = std::move(grads[0]);
+      return {hardswish_grad(g, x, g)};
+    }
+    return {hardswish_grad(grads[0].contiguous(), x, output(x.sizes(), x.options()))};
+  }
+};
+
+// Hardswish of a contiguous x, recorded when x requires grad (the caller checked grad mode: see recordable_handles).
+at::Tensor hardswish_node(const at::Tensor& x) {
+  at::Tensor y = hardswish_values(x);
+  if (at::GradMode::is_enabled() && x.requires_grad()) {
+    NodeRef ref = make_node<HardswishBackward>();
+    static_cast<HardswishBackward*>(ref.get())->self_ = torch::autograd::SavedVariable(x, /*is_output=*/false);
+    record(ref, y, x);
+  }
+  return y;
+}
+
+at::Tensor hardswish_entry(const at::Tensor& x) {
+  require_whole(x, "x");
+  return hardswish_node(x);
+}
+
+at::Tensor hardswish_backward_entry(const at::Tensor& g, const at::Tensor& x) {
+  require_whole(g, "grad_output");
+  require_whole(x, "x");
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "gradops.native: mismatched tensors");
+  return hardswish_grad(g, x, output(x.sizes(), x.options()));
+}
+
+// hardswish_planned(x): the recorded Hardswish on a remembered call's metadata (direct.cpp), or None.
+PyObject* hardswish_planned(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  static const int64_t call_id = direct_op("hardswish");
+  if (!arity("hardswish_planned", nargs, 1)) return nullptr;
+  if (!node_call(call_id, std::array<py::handle, 1>{args[0]}, args, 1)) Py_RETURN_NONE;
+  return py::cast(hardswish_node(THPVariable_Unpack(args[0]))).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef planned[] = {
+    {"hardswish_planned", fastcall(hardswish_planned), METH_FASTCALL,
+     "the recorded Hardswish on a remembered call's metadata, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+void module_part(py::module_& m) {
+  m.attr("HARDSWISH") = kFormula;
+  m.def("hardswish", &hardswish_entry, "Hardswish on a contiguous x; backward aclnnHardswishBackward");
+  m.def("hardswish_backward", &hardswish_backward_entry,
+        "aclnnHardswishBackward on contiguous g, x of one shape and dtype, not recorded");
+  if (PyModule_AddFunctions(m.ptr(), planned) != 0) throw py::error_already_set();
+}
+
+GRADOPS_MODULE_PART(module_part);
 
 }  // namespace
 }  // namespace gradops

@@ -96,7 +96,7 @@ _hardswish.register_autograd(_backward, setup_context=_setup)
 
 def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tensor]:
     """The native node's backward where it does not run its kernel itself (``create_graph=True``, a forked child, a
-    gradient that is not plain: see autograd.cpp): :func:`_backward`'s op, which records a second derivative and
+    gradient that is not plain: see hardswish.cpp): :func:`_backward`'s op, which records a second derivative and
     dispatches batched or lazily negated gradients."""
     grad, x = inputs
     return (_hardswish_backward(grad, x),)

@@ -218,7 +218,7 @@ _layer_norm.register_autograd(_backward, setup_context=_setup)
 
 
 def _differentiable_backward(inputs: list[Tensor], epsilon: float) -> tuple[Tensor | None, ...]:
-    """The native node's backward where it does not run its kernel itself (see autograd.cpp), :func:`_vjp` as the
+    """The native node's backward where it does not run its kernel itself (see layer_norm.cpp), :func:`_vjp` as the
     Python path runs it. Under ``create_graph=True`` it is recorded for a second derivative: there the Python
     path's statistics are outputs of the recorded forward, so the second derivative flows through their dependence
     on x; the node keeps them as plain tensors, so they are computed again by the recorded forward (the same

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ... import native
 from ...ops._direct import DirectOp, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
 from ...ops._out import Result, into
@@ -48,7 +49,16 @@ def _swiglu_grad_2d(fn, shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int)
     return own(fit(fn(*_grad_views(shape, y_grad, x, dim)).contiguous(), x.shape))
 
 
-plan_swiglu = Planner(spec.SWIGLU, contract.check_swiglu, adapter=_swiglu_2d, program=lambda: _cpu().program_swiglu)
+def _native_entry(choice, shape: SwiGluShape, x: Tensor, dim: int):
+    """The native SwiGLU node, or None (an empty x; see :mod:`gradops.native`): it runs the extension's registered
+    ``swiglu`` / ``swiglu_grad`` kernels (swiglu.cpp)."""
+    if not shape.rows or not shape.cols:
+        return None
+    return native.node(lambda ext: (ext.SWIGLU, ext.swiglu), _differentiable_backward)
+
+
+plan_swiglu = Planner(spec.SWIGLU, contract.check_swiglu, adapter=_swiglu_2d, native=_native_entry,
+                      program=lambda: _cpu().program_swiglu)
 plan_swiglu_grad = Planner(spec.SWIGLU_GRAD, contract.check_swiglu_grad, device_arg=1, adapter=_swiglu_grad_2d,
                            program=lambda: _cpu().program_swiglu_grad)
 
@@ -88,7 +98,7 @@ def _swiglu_body(x: Tensor, dim: int) -> Tensor:
     return plan.run(plan.shape, x, dim)
 
 
-_swiglu = DirectOp(spec.SWIGLU, _swiglu_body, plan_swiglu, _results)
+_swiglu = DirectOp(spec.SWIGLU, _swiglu_body, plan_swiglu, _results, node=lambda ext: ext.swiglu_planned)
 
 
 def _setup(ctx, inputs, output):
@@ -103,6 +113,17 @@ def _backward(ctx, grad):
 
 
 _swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+def _differentiable_backward(inputs: list[Tensor], extra: object) -> tuple[Tensor]:
+    """The native node's backward where it does not run its kernel itself (``create_graph=True``, a forked child, a
+    gradient that is not plain: see gradops/native/nodes.h): the op, which records a second derivative and
+    dispatches batched or lazily negated gradients. ``extra``: the split dim."""
+    grad, x = inputs
+    return (_swiglu_grad(grad.contiguous(), x, extra),)
+
+
+_swiglu.native = _swiglu.recorded
 
 
 def swiglu(x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
