@@ -7,6 +7,7 @@ finds an op's piece by a name it builds from a string (``getattr(module, f"{op}_
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,6 @@ def test_no_piece_is_found_by_a_name_built_from_a_string():
 
 def _cpp_code(text: str) -> str:
     """C++ source without its comments (line and block)."""
-    import re
-
     return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
 
 
@@ -127,8 +126,6 @@ def test_the_shared_cpp_names_no_op():
     """The extension's shared C++ (gradops/native: the module, the node helpers, the pool, the direct calls, the
     kernel registry) names no op in code: each family's kernels and native node live in its own .cpp, which adds
     itself (GRADOPS_KERNEL, GRADOPS_MODULE_PART)."""
-    import re
-
     ops = {name for family in FOLDERS for name in _names(family)}
     for source in sorted((PACKAGE / "native").glob("*.[ch]*")):
         if source.suffix not in (".cpp", ".h"):
@@ -136,3 +133,45 @@ def test_the_shared_cpp_names_no_op():
         words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", _cpp_code(source.read_text())))
         words |= {w.lower() for w in words}
         assert not ops & words, f"{source.name} names {sorted(ops & words)}"
+
+
+def test_every_declaration_carries_its_check_and_results():
+    """The runtime reads an op's validation and results from its declaration (Planner, DirectOp, out=, aclnn)."""
+    from gradops import registry
+
+    for spec in registry.SPECS:
+        assert callable(spec.check), spec.name
+        assert callable(spec.results), spec.name
+
+
+# A result's shape written in a backend's host code: a program output, a pool block or a launcher output given as a
+# literal (shape, dtype) list. The declaration (``<op>_results`` in the contract) is the one place; Hardswish's
+# layout helper allocates "like self" (its declared result has no shape of its own).
+_RESTATED = re.compile(r"p\.output\(|outputs\([^)\n]*\[\(\(|output\([^,\n]*, \(")
+
+
+@pytest.mark.parametrize("family", sorted(FOLDERS))
+def test_backends_allocate_from_the_declared_results(family):
+    for name in ("cpu.py", "launch.py"):
+        path = PACKAGE / "families" / family / name
+        if path.is_file():
+            found = _RESTATED.findall(path.read_text())
+            assert not found, f"{family}/{name} states result shapes itself: {found}"
+
+
+def test_results_take_what_the_check_takes():
+    """A call plan evaluates an op's results on the arguments its check took (defaults included): the same
+    positional parameters, the same defaults."""
+    import inspect
+
+    from gradops import registry
+
+    def positional(fn, skip):
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        return [(p.name, p.default) for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    for spec in registry.SPECS:
+        checked = positional(spec.check, 0)
+        declared = positional(spec.results, 1)
+        assert [d for _, d in declared] == [d for _, d in checked], spec.name
+        assert len(declared) == len(checked), spec.name

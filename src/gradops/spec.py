@@ -101,8 +101,10 @@ class Impl:
     """One backend's implementation of an op: what :func:`gradops.backend.decide` hands the op's call plan.
 
     ``fn(*views, out=None, workspace=None)``: the op on the 2-D views its contract answers (every backend has it).
-    ``shaped(shape, *args)``: the op on its own arguments in their own shapes, given the contract's answer ``shape``,
-    results in the op's shapes (the compiled CPU kernels take any contiguous shape by address), or None: the op's
+    ``shaped(outputs, shape, *args)``: the op on its own arguments in their own shapes, given the contract's answer
+    ``shape`` and the call plan's declared results ``outputs`` (:func:`gradops.contract._common.evaluated`, which
+    :func:`gradops.cpu._host.allocate` makes), results in the op's shapes (the compiled CPU kernels take any
+    contiguous shape by address), or None: the op's
     adapter views the arguments for ``fn``. ``workspace(*views) -> bytes``: the scratch ``fn`` takes as
     ``workspace=`` (aclnn phase 1 sizes it), or None: it takes none."""
 
@@ -122,7 +124,10 @@ class OpSpec:
     (:func:`cann_arg`). ``example(m, n, dtype, device, gen)`` one call (:class:`Example`); ``bench`` its timing
     (:class:`Bench`); ``golden`` its CANN test case (:class:`Golden`); ``sharding(R, P, Shard)`` returns its
     DTensor rule (the strategies function ``register_sharding`` takes); ``node`` whether the native extension has
-    an autograd node for it (:func:`gradops.native.node`). ``providers``: backend name (``torch``, ``cpu``,
+    an autograd node for it (:func:`gradops.native.node`). ``check(*args, **outs) -> shape``: its validation table
+    (the family's contract), ``results(shape, *args) -> list[Result]``: what it returns
+    (:class:`gradops.contract._common.Result`; the fake kernel, ``out=``, the backends' outputs, the programs and the
+    aclnn outs read it). ``providers``: backend name (``torch``, ``cpu``,
     ``triton``) -> a loader of that backend's :class:`Impl` of the op; a loader imports the family's module for the
     backend when first asked (ImportError: the backend cannot be had here), so that a declaration never loads a
     kernel; a backend not listed leaves the op to ``torch`` (see :mod:`gradops.backend`)."""
@@ -137,6 +142,8 @@ class OpSpec:
     cann_args: dict[str, str] = field(default_factory=dict)
     kernels: bool = True
     node: bool = False
+    check: Callable[..., Any] | None = None
+    results: Callable[..., list] | None = None
     providers: dict[str, Callable[[], Impl]] = field(default_factory=dict)
 
     @property

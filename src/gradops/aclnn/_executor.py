@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 from .. import backend, registry
-from ..contract._common import overlaps_itself
+from ..contract._common import Result, overlaps_itself
 from ..ops._out import takes_out
 from ..ops._plan import CallPlan, Planner
 from ..spec import cann_arg
@@ -174,7 +174,7 @@ def plan(planner: Planner, *args, **outs: torch.Tensor) -> CallPlan:
 
 
 def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Sequence, compute: Compute,
-            outs: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None,
+            outs: dict[str, torch.Tensor], results: Sequence[Result] | None = None,
             inputs: dict[str, torch.Tensor] | None = None) -> tuple[int, int, aclOpExecutor | None]:
     """Phase 1 after validation: bind ``compute`` to the plan's implementation and size its workspace.
 
@@ -194,8 +194,8 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
             ``kwargs`` carries ``workspace`` (with a hook) and ``out`` (when the implementation takes it).
         outs: the out tensors by name, in the order of the implementation's results: refused (161002) when two
             elements share memory (a broadcast or interleaved view cannot hold one value per element).
-        shapes: the shape the implementation produces a result in, by out name, where it is not the out's own
-            (the 2-D view of an N-D dx, for instance).
+        results: the op's declared results (its spec's ``results``), in the order of ``outs``: the implementation
+            writes each in its ``written`` shape (the 2-D view of an N-D dx, for instance); None: in the outs' own.
         inputs: the caller's input tensors by CANN name: with ``outs``, what phase 2 re-checks for changes.
 
     Returns:
@@ -212,7 +212,8 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
         return _refuse(ACLNN_ERR_INNER, f"{op}: {name} workspace query failed: {e!r}"), 0, None
 
     direct = takes_out(fn)
-    targets = [(t, tuple((shapes or {}).get(key, t.shape))) for key, t in outs.items()]
+    targets = [(t, tuple(t.shape) if results is None else r.written)
+               for t, r in zip(outs.values(), results or [None] * len(outs))]
     carved: list[tuple[int, int]] = []  # (offset past the alignment slack, bytes) per carved result
     size = scratch
     if direct and any(not t.is_contiguous() for t, _ in targets):

@@ -8,6 +8,7 @@ they also run on fake tensors while ``torch.compile`` traces.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,54 @@ _DTYPE_NAMES = {
     torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
     torch.int64: "int64", torch.bool: "bool",
 }
+
+
+class Result(NamedTuple):
+    """One result of an op as the op's declaration gives it (``<op>_results(shape, *args)`` in the family's contract,
+    beside its check): the fake kernel, ``out=``, the backends' allocations, the direct calls' programs and the aclnn
+    outs all read it, so that a result's shape and dtype are written once."""
+
+    #: The result's shape; None: ``like``'s shape and strides (``empty_like``, as an elementwise kernel writes it).
+    shape: Sequence[int] | None
+    dtype: torch.dtype
+    #: A tensor on the result's device (the fake kernel's ``new_empty`` source).
+    like: torch.Tensor
+    #: The shape the backends write the result in (the 2-D view of ops whose backends take 2-D views); None: its own.
+    view: Sequence[int] | None = None
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        """The result's shape, ``like``'s where the declaration gives None."""
+        return tuple(self.like.shape if self.shape is None else self.shape)
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """The shape a backend writes it in: the view, else its own."""
+        return self.size if self.view is None else tuple(self.view)
+
+
+#: The declared results as a call plan keeps them (:func:`evaluated`): ``(size, dtype, like)`` each.
+Outputs = tuple[tuple[tuple[int, ...], torch.dtype, int], ...]
+
+
+def evaluated(results: Iterable[Result], args: tuple) -> Outputs:
+    """The declared results of one call plan (they depend only on what the plan is remembered by: the arguments'
+    shapes, dtypes and devices), without the tensors (a remembered plan outlives the call): ``(size, dtype, like)``
+    each, ``like`` the position in ``args`` of the argument of that size and dtype the result was declared like (a
+    backend may make the output with ``empty_like`` from it, the cheaper call), else -1."""
+    made = []
+    for r in results:
+        size = r.size
+        like = next((i for i, a in enumerate(args) if a is r.like), -1)
+        if like >= 0 and (r.dtype != r.like.dtype or size != tuple(r.like.shape)):
+            like = -1
+        made.append((size, r.dtype, like))
+    return tuple(made)
+
+
+def written(results: Iterable[Result]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(shape, dtype)`` of each result as the backends write it (their ``outputs`` / ``output`` specs)."""
+    return [(r.written, r.dtype) for r in results]
 
 
 def floats(cann: bool) -> tuple[torch.dtype, ...]:

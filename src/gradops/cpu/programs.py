@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..contract._common import Result
+
 #: A kernel argument's kind: the call's input tensor i, output i, or an absent optional tensor (direct.cpp's Slot;
 #: tests/test_direct_native.py checks they agree).
 INPUT, OUTPUT, ABSENT = 0, 1, 4
@@ -36,6 +38,10 @@ class Program:
         """A new output tensor (not zero-filled: a kernel writes its outputs whole); the slot naming it."""
         self.outputs.append(([int(s) for s in shape], dtype))
         return OUTPUT, len(self.outputs) - 1
+
+    def declared(self, results: Sequence[Result]) -> list[tuple[int, int]]:
+        """A new output per result of the op's declaration (its shape and dtype); their slots."""
+        return [self.output(r.size, r.dtype) for r in results]
 
     def kernel(self, name: str, inputs: Sequence[tuple[int, int] | None], outputs: Sequence[tuple[int, int]],
                ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:

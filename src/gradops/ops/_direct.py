@@ -211,7 +211,7 @@ def fake_of(check: Callable[..., object], results: Callable[..., Any]) -> Callab
     :mod:`gradops.ops._out`): the check on the fake arguments, then an empty tensor per declared result (a shape of
     None: laid out like its input)."""
     def fake(*args: object) -> object:
-        made = [torch.empty_like(r[2], dtype=r[1]) if r[0] is None else r[2].new_empty(tuple(r[0]), dtype=r[1])
+        made = [torch.empty_like(r.like, dtype=r.dtype) if r.shape is None else r.like.new_empty(r.size, dtype=r.dtype)
                 for r in results(check(*args), *args)]
         return made[0] if len(made) == 1 else tuple(made)
     return fake
@@ -224,9 +224,10 @@ class DirectOp:
     ``planner``: the op's call plan (a :class:`gradops.ops._plan.Planner`): its validation runs before the custom op
     on the paths that reach it (the op's schema would answer a None or a mistyped scalar with a bare RuntimeError
     before the body could raise OpError), and where its plans carry programs, the extension's direct path runs them
-    (:meth:`direct`). ``results(shape, *args)``: what the op returns (see :mod:`gradops.ops._out`), from which its fake
-    kernel is registered. ``register_autograd`` registers on the custom op and also builds the eager
-    ``torch.autograd.Function`` from the same pair of functions, so both paths share one formula. ``node(ext)``:
+    (:meth:`direct`). ``results(shape, *args)`` (default: the declaration's): what the op returns (see
+    :class:`gradops.contract._common.Result`), from which its fake kernel is registered. ``register_autograd``
+    registers on the custom op and also builds the eager ``torch.autograd.Function`` from the same pair of
+    functions, so both paths share one formula. ``node(ext)``:
     the extension's ``<op>_planned`` function (what a recorded call tries first, see :meth:`recorded`) where the op
     has a native autograd node (``lambda ext: ext.hardswish_planned``), else None.
     """
@@ -242,6 +243,7 @@ class DirectOp:
             self.op.register_vmap(_sample_by_sample(self.op))
         self.planner = planner
         self.validate: Callable[..., Any] = planner.validate
+        results = results if results is not None else op.results
         if results is not None:
             self.op.register_fake(fake_of(planner.check, results))
         self.function: type[torch.autograd.Function] | None = None

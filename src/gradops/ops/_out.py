@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ from ..contract._common import dtype_name, fail, require_whole, require_writable
 from ..status import ACLNN_ERR_PARAM_INVALID
 
 if TYPE_CHECKING:
+    from ..spec import OpSpec
     from ._direct import DirectOp
 
 Spec = tuple[Sequence[int], torch.dtype]
@@ -183,30 +184,22 @@ def _run_into(fn: Callable, args: tuple, outs: tuple[Tensor, ...], shapes: Seque
     return outs
 
 
-#: One result of an op, as its declaration gives it: ``(shape, dtype, like)`` or ``(shape, dtype, like, view)``;
-#: ``like`` is a tensor on the result's device (the fake kernel's ``new_empty`` source), ``view`` the shape the
-#: backend writes the result in (its 2-D form, for ops whose backends take 2-D views), the result's own shape
-#: when absent. ``shape`` None: the result has ``like``'s shape and strides (``empty_like``, as an elementwise
-#: kernel writes it).
-Result = tuple
-
-
-def into(op: str, planner: Callable[..., object], results: Callable[..., Sequence[Result]], names: Sequence[str],
-         args: tuple, out: object, differentiable: Sequence[int] = (), *,
-         views: Callable[..., tuple] | None = None, via: DirectOp | None = None) -> tuple[Tensor, ...]:
-    """``out=`` from an op's results declaration: the op's plan, the outs checked against the declared results
-    (see :func:`check_out`), the plan's backend run into them (:func:`run_into`). ``names``: the op's argument
+def into(op: OpSpec, planner: Callable[..., Any], names: Sequence[str], args: tuple, out: object,
+         differentiable: Sequence[int] = (), *, views: Callable[..., tuple] | None = None,
+         via: DirectOp | None = None) -> tuple[Tensor, ...]:
+    """``out=`` from the op's declaration ``op`` (its ``results``): the op's plan (``planner(*args)``), the outs
+    checked against the declared results (see :func:`check_out`), the plan's backend run into them
+    (:func:`run_into`). ``names``: the op's argument
     names (the messages name an overlapping input); ``differentiable``: the positions of a forward op's inputs
     that autograd would record (refused under grad mode, see :func:`refuse_autograd`); ``views(shape, *args)``: the
     backend's arguments (the 2-D views the op's adapter passes), the arguments themselves when None; ``via``: the
     op's DirectOp, whose direct program writes contiguous outs in place where the extension is loaded."""
     call = planner(*args)
     if differentiable:
-        refuse_autograd(op, *(args[i] for i in differentiable))
-    expected = results(call.shape, *args)  # type: ignore[attr-defined]
+        refuse_autograd(op.name, *(args[i] for i in differentiable))
+    expected = op.results(call.shape, *args)
     inputs = {name: a for name, a in zip(names, args) if isinstance(a, Tensor)}
-    outs = check_out(op, out, [(r[2].shape if r[0] is None else r[0], r[1]) for r in expected], expected[0][2].device,
-                     **inputs)
+    outs = check_out(op.name, out, [(r.size, r.dtype) for r in expected], expected[0].like.device, **inputs)
     backend_args = args if views is None else views(call.shape, *args)  # type: ignore[attr-defined]
-    shapes = [r[3] if len(r) > 3 else None for r in expected]
+    shapes = [r.view for r in expected]
     return run_into(call.backend.fn, backend_args, outs, shapes, via=via)  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ import torch
 from .. import _runtime
 from .._compat import is_compiling
 from ..backend import Choice, decide_with_token, declared, environment_key, wide_with_token
+from ..contract._common import evaluated
 from ..contract._memo import LIMIT, key_of
 from ..spec import OpSpec
 
@@ -66,7 +67,7 @@ def forget_all() -> None:
 class Planner:
     """``planner(*args) -> CallPlan`` for one op: ``check(*args)`` then the backend for ``args[device_arg]``'s device
     (among the providers ``op``, the op's declaration or its name, lists), remembered (see the module docstring).
-    ``check`` must take the op's positional arguments only;
+    ``check`` (default: the declaration's) must take the op's positional arguments only;
     ``adapter(fn, shape, *args)`` runs a backend's 2-D function ``fn`` on the op's arguments (views in, results
     back in the op's shapes); None for an op whose body calls ``backend.fn`` itself. ``values``: the positions of
     the arguments whose float64 dtype means "compute in float64" (default: every tensor argument; embedding's
@@ -75,12 +76,18 @@ class Planner:
     Program | None`` (:mod:`gradops.cpu.programs`), which lives in the family's CPU module and is loaded the
     first time a plan chose the compiled CPU kernels (see :meth:`program_of`); None: no program."""
 
-    def __init__(self, op: OpSpec | str, check: Callable[..., Any], device_arg: int = 0,
+    def __init__(self, op: OpSpec | str, check: Callable[..., Any] | None = None, device_arg: int = 0,
                  adapter: Callable[..., Any] | None = None, values: tuple[int, ...] | None = None,
                  native: Callable[..., Any] | None = None,
                  program: Callable[[], Callable[..., Any]] | None = None) -> None:
         self.spec = declared(op)
         self.op = self.spec.name
+        # The declaration's results go with the declaration's check (a planner given another check - the embedding
+        # lookup's, which plans onto its backward's backends - runs no shaped entry).
+        self.results = self.spec.results if check is None else None
+        check = check if check is not None else self.spec.check
+        if check is None:
+            raise TypeError(f"{self.op}: no check given or declared")
         self.check, self.device_arg, self.adapter, self.values = check, device_arg, adapter, values
         self.native, self.program = native, program
         self._plans: dict[tuple, tuple[CallPlan, str, object]] = {}
@@ -124,8 +131,10 @@ class Planner:
         device = args[self.device_arg].device
         wide = self._float64(args)
         choice, token, module = self._choose(device, wide)
-        run = None if wide else choice.shaped  # the float64 reference has no shaped entries
-        if run is None and self.adapter is not None:
+        run = None if wide or self.results is None else choice.shaped  # the float64 reference has no shaped entries
+        if run is not None:  # its outputs: the declared results, evaluated once per plan
+            run = partial(run, evaluated(self.results(shape, *args), args))
+        elif self.adapter is not None:
             run = partial(self.adapter, choice.fn)
         entry = (self.native(choice, shape, *args) if native and self.native is not None and choice.name == "cpu"
                  else None)

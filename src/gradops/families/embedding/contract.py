@@ -16,6 +16,7 @@ import torch
 from ...contract._common import (
     MAX_RANK,
     TORCH_FLOATS,
+    Result,
     dtype_name,
     fail,
     floats,
@@ -39,6 +40,19 @@ INDEX_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int32, torch.
 class EmbeddingShape(NamedTuple):
     rows: int  # N = indices.numel(): rows of the 2-D grad view
     dim: int   # E = grad.shape[-1]
+
+
+def embedding_dense_backward_results(shape: EmbeddingShape, grad, indices, num_weights: int, padding_idx: int = -1,
+                                     scale_grad_by_freq: bool = False) -> list[Result]:
+    """EmbeddingDenseBackward's result: the (num_weights, E) table in grad's dtype (``out=`` also takes float32
+    beside half grad: :func:`out_dtypes`)."""
+    return [Result((num_weights, grad.shape[-1]), grad.dtype, grad)]
+
+
+def embedding_results(shape: None, weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False
+                      ) -> list[Result]:
+    """The lookup's result: ``indices.shape + (E,)`` in weight's dtype."""
+    return [Result((*indices.shape, weight.shape[1]), weight.dtype, weight)]
 
 
 def check_embedding_dense_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False, *,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...cpu import _pool
-from ...cpu._host import dense, finish, kernel, output
+from ...contract._common import Outputs, written
+from ...cpu._host import allocate, dense, finish, kernel, output
 from ...cpu.programs import Program, arg
 from ...spec import Impl
-from .contract import checked_indices, index_error
+from .contract import EmbeddingShape, checked_indices, embedding_dense_backward_results, embedding_results, index_error
 
 
 def embedding_dense_backward_workspace(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
@@ -62,12 +62,16 @@ def embedding_dense_backward(grad: Tensor, idx: Tensor, num_weights: int, paddin
     Returns:
         The (V, E) gradient table.
     """
-    table = output(out, (num_weights, grad.shape[1]), grad.dtype)
+    shape = EmbeddingShape(*grad.shape)
+    (table_spec,) = written(embedding_dense_backward_results(shape, grad, idx, num_weights, padding_idx,
+                                                             scale_grad_by_freq))
+    table = output(out, *table_spec)
     _run(grad, idx.long(), num_weights, padding_idx, scale_grad_by_freq, table, workspace)
     return finish(table, out)
 
 
-def embedding_dense_backward_shaped(shape: tuple[int, int], grad: Tensor, indices: Tensor, num_weights: int,
+def embedding_dense_backward_shaped(outputs: Outputs, shape: tuple[int, int], grad: Tensor, indices: Tensor,
+                                    num_weights: int,
                                     padding_idx: int, scale_grad_by_freq: bool, *, checked: bool = False) -> Tensor:
     """The op on its own shapes (see :mod:`gradops.ops._plan`): grad (..., E), indices of the leading dims. int32
     and int64 indices are read as they are (the kernel's sort is the range test, so ``checked``, "tested
@@ -75,7 +79,7 @@ def embedding_dense_backward_shaped(shape: tuple[int, int], grad: Tensor, indice
     (:func:`gradops.families.embedding.contract.checked_indices`)."""
     if indices.dtype not in _DIRECT_INDICES:
         indices = checked_indices(indices, num_weights)
-    table = _pool.empty((num_weights, shape[1]), grad.dtype)
+    (table,) = allocate(outputs, (grad, indices, num_weights, padding_idx, scale_grad_by_freq))
     _run(grad, indices, num_weights, padding_idx, scale_grad_by_freq, table, None)
     return table
 
@@ -95,7 +99,7 @@ def program_embedding(shape, weight, indices, padding_idx, scale_grad_by_freq):
     if not indices.numel() or not weight.shape[1] or indices.dtype not in _DIRECT_INDICES:
         return None
     p = Program()
-    out = p.output((*indices.shape, weight.shape[1]), weight.dtype)
+    (out,) = p.declared(embedding_results(shape, weight, indices, padding_idx, scale_grad_by_freq))
     p.kernel("embedding", [arg(0), arg(1)], [out])
     return p.returns(out)
 
@@ -107,7 +111,8 @@ def program_embedding_dense_backward(shape, grad, indices, num_weights, padding_
     if not n or not e or not num_weights or indices.dtype not in _DIRECT_INDICES:
         return None
     p = Program()
-    out = p.output((num_weights, e), grad.dtype)
+    (out,) = p.declared(embedding_dense_backward_results(shape, grad, indices, num_weights, padding_idx,
+                                                          scale_grad_by_freq))
     pad = padding_idx if 0 <= padding_idx < num_weights else -1
     p.kernel("embedding_dense_backward", [arg(0), arg(1)], [out], [num_weights, pad, int(bool(scale_grad_by_freq))])
     return p.returns(out)

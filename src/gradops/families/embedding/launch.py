@@ -8,9 +8,10 @@ import torch
 import triton
 from torch import Tensor
 
+from ...contract._common import written
 from ...launch._common import carve, guard, launch, outputs, workspace_bytes
 from ...spec import Impl
-from .contract import index_error
+from .contract import EmbeddingShape, embedding_dense_backward_results, index_error
 from .kernels import EmbeddingConfig, embedding_config, embedding_dense_backward_kernel
 
 
@@ -56,7 +57,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
     """
     n, dim = grad.shape
     idx = indices.reshape(-1).long()
-    out = outputs(out, [((num_weights, dim), grad.dtype)], grad.device)[0]
+    results = embedding_dense_backward_results(EmbeddingShape(n, dim), grad, indices, num_weights, padding_idx,
+                                               scale_grad_by_freq)
+    out = outputs(out, written(results), grad.device)[0]
     if num_weights == 0 or dim == 0:
         if n:
             guard(((idx < 0) | (idx >= num_weights)).any(), lambda: _range_error(idx, num_weights))

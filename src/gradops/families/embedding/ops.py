@@ -9,7 +9,7 @@ from ... import native
 from ...backend import forked_cpu_call, on_one_thread
 from ...contract._common import accumulator
 from ...ops._direct import _PLAIN, BODY, DirectOp, _records, eager_path, fit, own
-from ...ops._out import Result, check_out, run_into
+from ...ops._out import check_out, run_into
 from ...ops._plan import Planner
 from ...status import ACLNN_ERR_INNER_NULLPTR, OpError
 from . import contract, spec
@@ -38,9 +38,8 @@ def _embedding_dense_backward_2d(fn, shape, grad: Tensor, indices: Tensor, num_w
 
 
 # values=(0,): float64 indices are one of CANN's nine index dtypes, not a reason to compute in float64.
-plan_embedding_dense_backward = Planner(spec.EMBEDDING_DENSE_BACKWARD, contract.check_embedding_dense_backward,
-                                        adapter=_embedding_dense_backward_2d, values=(0,),
-                                        program=lambda: _cpu().program_embedding_dense_backward)
+plan_embedding_dense_backward = Planner(spec.EMBEDDING_DENSE_BACKWARD, adapter=_embedding_dense_backward_2d,
+                                        values=(0,), program=lambda: _cpu().program_embedding_dense_backward)
 
 
 def _embedding_dense_backward_body(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
@@ -68,14 +67,8 @@ def too_large(err: BaseException, num_weights: int, grad: Tensor) -> BaseExcepti
                    f"{str(grad.dtype).removeprefix('torch.')} = {size} ({type(err).__name__}: {err})")
 
 
-def _table_results(shape, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
-                   scale_grad_by_freq: bool) -> list[Result]:
-    """The op's result, declared once (its fake kernel; ``out=`` below also takes a float32 table beside half grad)."""
-    return [((num_weights, grad.shape[-1]), grad.dtype, grad)]
-
-
 _embedding_dense_backward = DirectOp(spec.EMBEDDING_DENSE_BACKWARD, _embedding_dense_backward_body,
-                                     plan_embedding_dense_backward, _table_results)
+                                     plan_embedding_dense_backward)
 
 
 def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
@@ -116,7 +109,9 @@ def embedding_dense_backward(grad: Tensor, indices: Tensor, num_weights: int, pa
         # A float32 out beside float16 / bfloat16 grad keeps the float32 sums unrounded (contract.out_dtypes): the
         # backends sum in float32, so grad widened to float32 gives exactly those sums.
         widen = isinstance(out, Tensor) and out.dtype != grad.dtype and out.dtype in out_dtypes(grad.dtype)
-        table = ((num_weights, grad.shape[-1]), out.dtype if widen else grad.dtype)
+        (result,) = spec.EMBEDDING_DENSE_BACKWARD.results(plan.shape, grad, indices, num_weights, padding_idx,
+                                                          scale_grad_by_freq)
+        table = (result.size, out.dtype if widen else result.dtype)
         outs = check_out("embedding_dense_backward", out, [table], grad.device, grad=grad, indices=indices)
         idx = checked_indices(indices, num_weights)
         args = ((grad.float() if widen else grad).reshape(plan.shape), idx, num_weights, padding_idx,
@@ -163,12 +158,7 @@ def _rows(weight: Tensor, indices: Tensor, defer: bool) -> Tensor:
     return own(weight.index_select(0, idx).view(*indices.shape, weight.shape[1]))
 
 
-def _lookup_results(shape, weight: Tensor, indices: Tensor, padding_idx: int, scale_grad_by_freq: bool) -> list[Result]:
-    return [((*indices.shape, weight.shape[1]), weight.dtype, weight)]
-
-
-_embedding = DirectOp(spec.EMBEDDING, _embedding_body, plan_embedding, _lookup_results,
-                      node=lambda ext: ext.embedding_planned)
+_embedding = DirectOp(spec.EMBEDDING, _embedding_body, plan_embedding, node=lambda ext: ext.embedding_planned)
 
 
 def _embedding_setup(ctx, inputs, output):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, provided
-from . import reference
+from . import contract, reference
 
 aten = torch.ops.aten
 #: Table rows and index values are drawn as int64: a count must stay below this.
@@ -137,9 +137,10 @@ SPECS = (
                          _golden_inputs, oracle=_oracle, peer=_peer,
                          index_dtypes=("int64", "int32", "int16", "int8", "uint8", "bool", "float64", "float32",
                                        "float16")),
-           timing=BENCH, sharding=_backward_rule,
+           timing=BENCH, sharding=_backward_rule, check=contract.check_embedding_dense_backward,
+           results=contract.embedding_dense_backward_results,
            providers=provided(_BACKENDS, lambda m: m.EMBEDDING_DENSE_BACKWARD)),
     OpSpec("embedding", "aclnnEmbedding", False, example=_lookup_example, sharding=_lookup_rule, kernels=False,
-           node=True),
+           node=True, check=contract.check_embedding, results=contract.embedding_results),
 )
 EMBEDDING_DENSE_BACKWARD, EMBEDDING = SPECS

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ...contract._common import (
     MAX_RANK,
+    Result,
     floats,
     require_dtype,
     require_present,
@@ -19,6 +20,16 @@ from ...contract._common import (
     require_same_dtype,
     require_shape,
 )
+
+
+def hardswish_results(shape: None, x) -> list[Result]:
+    """Hardswish's result: x's shape, dtype and (dense) layout, as an elementwise kernel writes it."""
+    return [Result(None, x.dtype, x)]
+
+
+def hardswish_backward_results(shape: None, grad_output, x) -> list[Result]:
+    """HardswishBackward's result: x's shape, dtype and (dense) layout."""
+    return [Result(None, x.dtype, x)]
 
 
 def check_hardswish(x, *, out=None, cann: bool = False) -> None:

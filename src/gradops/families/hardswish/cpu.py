@@ -14,6 +14,7 @@ from ...cpu import _pool
 from ...cpu._host import kernel
 from ...cpu.programs import Program, arg
 from ...spec import Impl
+from .contract import hardswish_backward_results, hardswish_results
 
 
 def _dense(t: Tensor) -> bool:
@@ -54,7 +55,7 @@ def _layout(inputs: list[Tensor], out: Tensor | None) -> tuple[list[Tensor], Ten
 def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Hardswish of any shape and strides; result in x's dtype (and x's dense layout)."""
     if out is None and x.is_contiguous():  # the common case: no layout work
-        y = _pool.empty_like(x)
+        y = _pool.empty_like(x)  # the declared result (hardswish_results): laid out like x
         kernel("hardswish", (x,), (y,))
         return y
     (xs,), buf = _layout([x], out)
@@ -69,7 +70,7 @@ def hardswish(x: Tensor, *, out: Tensor | None = None) -> Tensor:
 def hardswish_backward(grad_output: Tensor, x: Tensor, *, out: Tensor | None = None) -> Tensor:
     """aclnnHardswishBackward (closed interval [-3, 3]); a new tensor, or ``out`` filled."""
     if out is None and x.is_contiguous() and grad_output.is_contiguous():
-        buf = _pool.empty_like(x)
+        buf = _pool.empty_like(x)  # the declared result (hardswish_backward_results): laid out like x
         kernel("hardswish_backward", (grad_output, x), (buf,))
         return buf
     (gs, xs), buf = _layout([grad_output, x], out)
@@ -88,7 +89,7 @@ def program_hardswish(shape, x):
     if not x.numel():
         return None
     p = Program()
-    y = p.output(x.shape, x.dtype)
+    (y,) = p.declared(hardswish_results(shape, x))
     p.kernel("hardswish", [arg(0)], [y])
     return p.returns(y)
 
@@ -97,7 +98,7 @@ def program_hardswish_backward(shape, grad_output, x):
     if not x.numel():
         return None
     p = Program()
-    dx = p.output(x.shape, x.dtype)
+    (dx,) = p.declared(hardswish_backward_results(shape, grad_output, x))
     p.kernel("hardswish_backward", [arg(0), arg(1)], [dx])
     return p.returns(dx)
 

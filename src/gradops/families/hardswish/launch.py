@@ -6,8 +6,10 @@ import torch
 import triton
 from torch import Tensor
 
+from ...contract._common import written
 from ...launch._common import launch, outputs
 from ...spec import Impl
+from .contract import hardswish_backward_results, hardswish_results
 from .kernels import FLAT_BLOCK, FLAT_WARPS, hardswish_flat_kernel, hardswish_strided_kernel, strided_blocks
 
 #: Dims the strided kernel indexes (after coalescing); rarer layouts fall back to contiguous copies.
@@ -46,8 +48,10 @@ def _run(g: Tensor | None, x: Tensor, out: Tensor | None) -> Tensor:
     # CANN's Muls/Adds and the other backends do (an FMA gives -1.49e-8 instead of 0 at x = -1.5; see
     # gradops.families.hardswish.cpu). The interpreter ignores the option; numpy never fuses.
     backward = g is not None
-    # empty_like keeps x's strides when x is dense, else is contiguous; a caller's out is contiguous
-    out = torch.empty_like(x) if out is None else outputs(out, [(x.shape, x.dtype)], x.device)[0]
+    # The declared result is laid out like x: empty_like keeps x's strides when x is dense, else is contiguous; a
+    # caller's out is contiguous
+    results = hardswish_backward_results(None, g, x) if backward else hardswish_results(None, x)
+    out = torch.empty_like(x, dtype=results[0].dtype) if out is None else outputs(out, written(results), x.device)[0]
     n = x.numel()
     if n == 0:
         return out

@@ -7,9 +7,9 @@ from torch import Tensor
 from ... import native
 from ...ops._direct import DirectOp, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
-from . import contract, reference, spec
+from . import reference, spec
 
 
 def _cpu():
@@ -34,15 +34,10 @@ def _backward_entry(choice, shape, grad_output: Tensor, self: Tensor):
 
 
 # Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
-plan_hardswish = Planner(spec.HARDSWISH, contract.check_hardswish, native=_native_entry,
+plan_hardswish = Planner(spec.HARDSWISH, native=_native_entry,
                          program=lambda: _cpu().program_hardswish)
-plan_hardswish_backward = Planner(spec.HARDSWISH_BACKWARD, contract.check_hardswish_backward, device_arg=1,
+plan_hardswish_backward = Planner(spec.HARDSWISH_BACKWARD, device_arg=1,
                                   native=_backward_entry, program=lambda: _cpu().program_hardswish_backward)
-
-
-def _results(shape, *args: Tensor) -> list[Result]:
-    """Both ops' result, declared once: self's shape, dtype and strides (the kernels keep the layout)."""
-    return [(None, args[-1].dtype, args[-1])]
 
 
 def _run(plan, *args: Tensor) -> Tensor:
@@ -57,8 +52,7 @@ def _hardswish_backward_body(grad_output: Tensor, self: Tensor) -> Tensor:
     return _run(plan_hardswish_backward(grad_output, self), grad_output, self)
 
 
-_hardswish_backward = DirectOp(spec.HARDSWISH_BACKWARD, _hardswish_backward_body, plan_hardswish_backward,
-                               _results)
+_hardswish_backward = DirectOp(spec.HARDSWISH_BACKWARD, _hardswish_backward_body, plan_hardswish_backward)
 
 
 def _hardswish_backward_formula(grad_output: Tensor, self: Tensor) -> tuple[Tensor]:
@@ -79,7 +73,7 @@ def _hardswish_body(self: Tensor) -> Tensor:
     return _run(plan_hardswish(self), self)
 
 
-_hardswish = DirectOp(spec.HARDSWISH, _hardswish_body, plan_hardswish, _results, node=lambda ext: ext.hardswish_planned)
+_hardswish = DirectOp(spec.HARDSWISH, _hardswish_body, plan_hardswish, node=lambda ext: ext.hardswish_planned)
 
 
 def _setup(ctx, inputs, output):
@@ -113,7 +107,7 @@ def hardswish(self: Tensor, *, out: Tensor | None = None) -> Tensor:
     if out is not None:
         if _hardswish.direct_into(out, self):  # the common out= call, checked in C++ (see DirectOp.direct_into)
             return out
-        return into("hardswish", plan_hardswish, _results, ("self",), (self,), out, (0,), via=_hardswish)[0]
+        return into(spec.HARDSWISH, plan_hardswish, ("self",), (self,), out, (0,), via=_hardswish)[0]
     return _hardswish(self)
 
 
@@ -146,6 +140,6 @@ def hardswish_backward(grad_output: Tensor, self: Tensor, *, out: Tensor | None 
     if out is not None:
         if _hardswish_backward.direct_into(out, grad_output, self):
             return out
-        return into("hardswish_backward", plan_hardswish_backward, _results, ("grad_output", "self"),
+        return into(spec.HARDSWISH_BACKWARD, plan_hardswish_backward, ("grad_output", "self"),
                     (grad_output, self), out, via=_hardswish_backward)[0]
     return _hardswish_backward(grad_output, self)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, provided
-from . import reference
+from . import contract, reference
 
 aten = torch.ops.aten
 
@@ -103,11 +103,11 @@ _BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
 SPECS = (
     OpSpec("hardswish", "aclnnHardswish", False, example=_example("hardswish"),
            golden=Golden(("out",), (), _golden_inputs("hardswish"), peer=_hardswish_peer), sharding=_rule,
-           node=True,
+           node=True, check=contract.check_hardswish, results=contract.hardswish_results,
            providers=provided(_BACKENDS, lambda m: m.HARDSWISH)),
     OpSpec("hardswish_backward", "aclnnHardswishBackward", True, example=_example("hardswish_backward"),
            golden=Golden(("out",), (), _golden_inputs("hardswish_backward"), peer=_backward_peer),
-           timing=BENCH, sharding=_backward_rule,
-           providers=provided(_BACKENDS, lambda m: m.HARDSWISH_BACKWARD)),
+           timing=BENCH, sharding=_backward_rule, check=contract.check_hardswish_backward,
+           results=contract.hardswish_backward_results, providers=provided(_BACKENDS, lambda m: m.HARDSWISH_BACKWARD)),
 )
 HARDSWISH, HARDSWISH_BACKWARD = SPECS

@@ -16,6 +16,8 @@ import torch
 from ...contract._common import (
     MAX_RANK,
     TORCH_FLOATS,
+    Result,
+    accumulator,
     dtype_name,
     dtypes_text,
     fail,
@@ -36,8 +38,36 @@ ASCENDC_DTYPES = (torch.float16, torch.float32)
 
 
 class LayerNormShape(NamedTuple):
+    """The 2-D view every backend works on: x as ``rows`` x ``cols`` (cols: its last dim)."""
+
     rows: int
     cols: int
+
+
+# What each op returns, declared once (see gradops.contract._common.Result): x-shaped results are written as the
+# rows x cols view, statistics as rows.
+def layer_norm_results(shape: LayerNormShape, x, gamma, beta, epsilon: float = 1e-5) -> list[Result]:
+    """LayerNorm's results: y (x's shape and dtype), mean and variance (the accumulator dtype, ``x.shape[:-1]``)."""
+    stat, acc = x.shape[:-1], accumulator(x.dtype)
+    return [Result(x.shape, x.dtype, x, shape)] + [Result(stat, acc, x, (shape.rows,))] * 2
+
+
+def layer_norm_grad_results(shape: LayerNormShape, dy, x, variance, mean, gamma, epsilon: float = 1e-5
+                            ) -> list[Result]:
+    """LayerNormGrad's results: pdx and res_for_gamma, both of x's shape and dtype."""
+    return [Result(x.shape, x.dtype, x, shape)] * 2
+
+
+def layer_norm_grad_beta_results(shape: LayerNormShape, res_for_gamma, dy) -> list[Result]:
+    """LayerNormGradBeta's results: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
+    return [Result(dy.shape[-1:], dy.dtype, dy)] * 2
+
+
+def layer_norm_backward_results(shape: LayerNormShape, dy, x, mean, rstd, gamma) -> list[Result]:
+    """The fused backward's results: dx (x's shape and dtype), dgamma and dbeta (the accumulator dtype, gamma's
+    shape)."""
+    acc = accumulator(x.dtype)
+    return [Result(x.shape, x.dtype, x, shape), Result(gamma.shape, acc, gamma), Result(gamma.shape, acc, gamma)]
 
 
 def _dtypes(cann: bool) -> tuple[torch.dtype, ...]:

@@ -12,11 +12,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...cpu import _pool
-from ...cpu._host import dense, finish, kernel, output, row_blocks
+from ...contract._common import Outputs, written
+from ...cpu._host import allocate, dense, finish, kernel, output, row_blocks
 from ...cpu.programs import Program, arg
 from ...spec import Impl
-from .contract import LayerNormShape, statistic_error
+from .contract import (
+    LayerNormShape,
+    layer_norm_backward_results,
+    layer_norm_grad_beta_results,
+    layer_norm_grad_results,
+    layer_norm_results,
+    statistic_error,
+)
 
 
 def _outs(out, i):
@@ -45,20 +52,17 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
                out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(y[M,N] x.dtype, mean[M] fp32, variance[M] fp32)`` of the 2-D view x."""
     m, n = x.shape
-    y = output(_outs(out, 0), (m, n), x.dtype)
-    mean = output(_outs(out, 1), (m,), torch.float32)
-    var = output(_outs(out, 2), (m,), torch.float32)
+    specs = written(layer_norm_results(LayerNormShape(m, n), x, gamma, beta, epsilon))
+    y, mean, var = (output(_outs(out, i), *spec) for i, spec in enumerate(specs))
     _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, m, n)
     return finish(y, _outs(out, 0)), finish(mean, _outs(out, 1)), finish(var, _outs(out, 2))
 
 
-def layer_norm_shaped(shape: LayerNormShape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
+def layer_norm_shaped(outputs: Outputs, shape: LayerNormShape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The op on x of any shape (see :mod:`gradops.ops._plan`): y of x's shape, mean and variance float32 of
     ``x.shape[:-1]``."""
-    x = dense(x)
-    stat = x.shape[:-1]
-    y, mean, var = _pool.empty_like(x), _pool.empty(stat, torch.float32), _pool.empty(stat, torch.float32)
+    y, mean, var = allocate(outputs, (x, gamma, beta, epsilon))
     _layer_norm_run(x, gamma, beta, epsilon, y, mean, var, shape.rows, shape.cols)
     return y, mean, var
 
@@ -80,18 +84,17 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
     -epsilon gives NaN rows as in AscendC, or with ``check_statistics`` raises the contract's OpError (161002)
     before anything is written."""
     m, n = x.shape
-    pdx = output(_outs(out, 0), (m, n), x.dtype)
-    res = output(_outs(out, 1), (m, n), x.dtype)
+    specs = written(layer_norm_grad_results(LayerNormShape(m, n), dy, x, variance, mean, gamma, epsilon))
+    pdx, res = (output(_outs(out, i), *spec) for i, spec in enumerate(specs))
     _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, m, n, check_statistics)
     return finish(pdx, _outs(out, 0)), finish(res, _outs(out, 1))
 
 
-def layer_norm_grad_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
-                           gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def layer_norm_grad_shaped(outputs: Outputs, shape: LayerNormShape, dy: Tensor, x: Tensor, variance: Tensor,
+                           mean: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`layer_norm_shaped`): pdx and res_for_gamma of x's shape; the
     variance checked (as the public function promises)."""
-    x = dense(x)
-    pdx, res = _pool.empty_like(x), _pool.empty_like(x)
+    pdx, res = allocate(outputs, (dy, x, variance, mean, gamma, epsilon))
     _layer_norm_grad_run(dy, x, variance, mean, gamma, epsilon, pdx, res, shape.rows, shape.cols, True)
     return pdx, res
 
@@ -112,17 +115,17 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
                          workspace: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """AscendC LayerNormGradBeta: ``(pd_gamma[N], pd_beta[N])`` in the inputs' dtype, fp32 sums in fixed order."""
     m, n = dy.shape
-    pd_gamma = output(_outs(out, 0), (n,), dy.dtype)
-    pd_beta = output(_outs(out, 1), (n,), dy.dtype)
+    specs = written(layer_norm_grad_beta_results(LayerNormShape(m, n), res_for_gamma, dy))
+    pd_gamma, pd_beta = (output(_outs(out, i), *spec) for i, spec in enumerate(specs))
     _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, m, n, workspace)
     return finish(pd_gamma, _outs(out, 0)), finish(pd_beta, _outs(out, 1))
 
 
-def layer_norm_grad_beta_shaped(shape: LayerNormShape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def layer_norm_grad_beta_shaped(outputs: Outputs, shape: LayerNormShape, res_for_gamma: Tensor,
+                                dy: Tensor) -> tuple[Tensor, Tensor]:
     """The op on its own shapes: pd_gamma and pd_beta of ``dy.shape[-1:]`` in dy's dtype."""
-    n = shape.cols
-    pd_gamma, pd_beta = _pool.empty((n,), dy.dtype), _pool.empty((n,), dy.dtype)
-    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, shape.rows, n, None)
+    pd_gamma, pd_beta = allocate(outputs, (res_for_gamma, dy))
+    _grad_beta_run(res_for_gamma, dy, pd_gamma, pd_beta, shape.rows, shape.cols, None)
     return pd_gamma, pd_beta
 
 
@@ -149,20 +152,18 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
     """Fused LayerNorm backward on the 2-D views: ``(dx x.dtype, dgamma fp32, dbeta fp32)``, one pass over dy, x.
     With ``check_statistics`` a negative rstd raises the contract's OpError (161002) before anything is written."""
     m, n = x.shape
-    dx = output(_outs(out, 0), (m, n), x.dtype)
-    dgamma = output(_outs(out, 1), (n,), torch.float32)
-    dbeta = output(_outs(out, 2), (n,), torch.float32)
+    specs = written(layer_norm_backward_results(LayerNormShape(m, n), dy, x, mean, rstd, gamma))
+    dx, dgamma, dbeta = (output(_outs(out, i), *spec) for i, spec in enumerate(specs))
     _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, m, n, workspace, check_statistics)
     return finish(dx, _outs(out, 0)), finish(dgamma, _outs(out, 1)), finish(dbeta, _outs(out, 2))
 
 
-def layer_norm_backward_shaped(shape: LayerNormShape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+def layer_norm_backward_shaped(outputs: Outputs, shape: LayerNormShape, dy: Tensor, x: Tensor, mean: Tensor,
+                               rstd: Tensor,
                                gamma: Tensor, *, check_statistics: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The op on its own shapes: dx of x's shape, dgamma and dbeta float32 of gamma's; rstd checked unless it comes
     from this package's own forward (``check_statistics=False``: ``(variance + eps)^-0.5`` is never negative)."""
-    x = dense(x)
-    dx, dgamma, dbeta = (_pool.empty_like(x), _pool.empty(gamma.shape, torch.float32),
-                         _pool.empty(gamma.shape, torch.float32))
+    dx, dgamma, dbeta = allocate(outputs, (dy, x, mean, rstd, gamma))
     _backward_run(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, shape.rows, shape.cols, None, check_statistics)
     return dx, dgamma, dbeta
 
@@ -175,8 +176,7 @@ def program_layer_norm(shape, x, gamma, beta, epsilon):
     if not m or not n:
         return None
     p = Program()
-    stat = x.shape[:-1]
-    y, mean, var = p.output(x.shape, x.dtype), p.output(stat, torch.float32), p.output(stat, torch.float32)
+    y, mean, var = p.declared(layer_norm_results(shape, x, gamma, beta, epsilon))
     p.kernel("layer_norm", [arg(0), arg(1), arg(2)], [y, mean, var], [m, n], [float(epsilon)])
     return p.returns(y, mean, var)
 
@@ -186,7 +186,7 @@ def program_layer_norm_grad(shape, dy, x, variance, mean, gamma, epsilon):
     if not m or not n or variance.dtype != torch.float32 or mean.dtype != torch.float32:
         return None
     p = Program()
-    pdx, res = p.output(x.shape, x.dtype), p.output(x.shape, x.dtype)
+    pdx, res = p.declared(layer_norm_grad_results(shape, dy, x, variance, mean, gamma, epsilon))
     # check = 1: a variance below -epsilon is refused before anything is computed (the call takes the Python path,
     # which raises the op's OpError).
     p.kernel("layer_norm_grad", [arg(0), arg(1), arg(2), arg(3), arg(4)], [pdx, res], [m, n, 1], [float(epsilon)])
@@ -198,7 +198,7 @@ def program_layer_norm_grad_beta(shape, res_for_gamma, dy):
     if not m or not n:
         return None
     p = Program()
-    pd_gamma, pd_beta = p.output((n,), dy.dtype), p.output((n,), dy.dtype)
+    pd_gamma, pd_beta = p.declared(layer_norm_grad_beta_results(shape, res_for_gamma, dy))
     p.kernel("layer_norm_grad_beta", [arg(0), arg(1), None], [pd_gamma, pd_beta], [m, n])
     return p.returns(pd_gamma, pd_beta)
 
@@ -208,8 +208,7 @@ def program_layer_norm_backward(shape, dy, x, mean, rstd, gamma):
     if not m or not n or mean.dtype != torch.float32 or rstd.dtype != torch.float32:
         return None
     p = Program()
-    dx = p.output(x.shape, x.dtype)
-    dgamma, dbeta = p.output(gamma.shape, torch.float32), p.output(gamma.shape, torch.float32)
+    dx, dgamma, dbeta = p.declared(layer_norm_backward_results(shape, dy, x, mean, rstd, gamma))
     # check = 1: a negative rstd is refused before anything is computed.
     p.kernel("layer_norm_backward", [arg(0), arg(1), arg(2), arg(3), arg(4), None], [dx, dgamma, dbeta], [m, n, 1])
     return p.returns(dx, dgamma, dbeta)

@@ -7,9 +7,17 @@ import torch
 import triton
 from torch import Tensor
 
+from ...contract._common import written
 from ...kernels.common import RowConfig, persistent_programs, row_config
 from ...launch._common import carve, launch, outputs, reduce_partials, sm_count, unit_stride_rows, workspace_bytes
 from ...spec import Impl
+from .contract import (
+    LayerNormShape,
+    layer_norm_backward_results,
+    layer_norm_grad_beta_results,
+    layer_norm_grad_results,
+    layer_norm_results,
+)
 from .kernels import (
     grad_beta_config,
     layer_norm_bwd_kernel,
@@ -33,7 +41,7 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float, *,
         ``(y, mean, variance)``: y (M, N) in x's dtype; mean and biased variance (M,) float32.
     """
     m, n = x.shape
-    y, mean, var = outputs(out, [((m, n), x.dtype), ((m,), torch.float32), ((m,), torch.float32)], x.device)
+    y, mean, var = outputs(out, written(layer_norm_results(LayerNormShape(m, n), x, gamma, beta, epsilon)), x.device)
     if m == 0 or n == 0:  # statistics of empty rows are 0, as the reference
         return y, mean.zero_(), var.zero_()
     x = unit_stride_rows(x)
@@ -85,7 +93,8 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
         ``(pd_x, res_for_gamma)``, both (M, N) in x's dtype.
     """
     m, n = x.shape
-    dx, res = outputs(out, [((m, n), x.dtype)] * 2, x.device)
+    results = layer_norm_grad_results(LayerNormShape(m, n), dy, x, variance, mean, gamma, epsilon)
+    dx, res = outputs(out, written(results), x.device)
     if m == 0 or n == 0:
         return dx, res
     cfg, programs, per_program = _plan(x, config)
@@ -119,7 +128,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
         ``(dx, dgamma, dbeta)``: dx (M, N) in x's dtype; dgamma, dbeta (N,) float32.
     """
     m, n = x.shape
-    dx, dgamma, dbeta = outputs(out, [((m, n), x.dtype), ((n,), torch.float32), ((n,), torch.float32)], x.device)
+    results = layer_norm_backward_results(LayerNormShape(m, n), dy, x, mean, rstd, gamma)
+    dx, dgamma, dbeta = outputs(out, written(results), x.device)
     if m == 0 or n == 0:
         return dx, dgamma.zero_(), dbeta.zero_()
     cfg, programs, per_program = _plan(x, config)
@@ -159,7 +169,8 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, workspace: Tensor
         ``(pd_gamma, pd_beta)``, (N,) each, in dy's dtype.
     """
     m, n = dy.shape
-    pd_gamma, pd_beta = outputs(out, [((n,), dy.dtype)] * 2, dy.device)
+    pd_gamma, pd_beta = outputs(out, written(layer_norm_grad_beta_results(LayerNormShape(m, n), res_for_gamma, dy)),
+                                dy.device)
     if m == 0 or n == 0:
         return pd_gamma.zero_(), pd_beta.zero_()
     res_for_gamma, dy = unit_stride_rows(res_for_gamma), unit_stride_rows(dy)

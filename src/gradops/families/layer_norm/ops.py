@@ -8,12 +8,11 @@ import torch
 from torch import Tensor
 
 from ... import native
-from ...contract._common import accumulator
 from ...ops._direct import BODY, DirectOp, _records, eager_path, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
-from . import contract, reference, spec
+from . import reference, spec
 from .contract import checked_statistic
 
 
@@ -25,21 +24,9 @@ def _cpu():
     return cpu
 
 
-# What each op returns and what its backends take (2-D views), declared once: the fake kernels, out= and the
-# adapters follow from these.
-def _results(shape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> list[Result]:
-    stat, acc = x.shape[:-1], accumulator(x.dtype)
-    rows, cols = shape
-    return [(x.shape, x.dtype, x, (rows, cols)), (stat, acc, x, (rows,)), (stat, acc, x, (rows,))]
-
-
+# What each op's backends take (2-D views); its results are declared in the contract, beside the check.
 def _views(shape, x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> tuple:
     return fit(x, (shape.rows, shape.cols)), gamma, beta, epsilon
-
-
-def _grad_results(shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor,
-                  epsilon: float) -> list[Result]:
-    return [(x.shape, x.dtype, x, (shape.rows, shape.cols))] * 2
 
 
 def _grad_views(shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma: Tensor, epsilon: float) -> tuple:
@@ -47,17 +34,8 @@ def _grad_views(shape, dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, ga
     return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(variance, (rows,)), fit(mean, (rows,)), gamma, epsilon
 
 
-def _beta_results(shape, res_for_gamma: Tensor, dy: Tensor) -> list[Result]:
-    return [(dy.shape[-1:], dy.dtype, dy)] * 2
-
-
 def _beta_views(shape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     return fit(res_for_gamma, (shape.rows, shape.cols)), fit(dy, (shape.rows, shape.cols))
-
-
-def _backward_results(shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
-    acc = accumulator(x.dtype)
-    return [(x.shape, x.dtype, x, (shape.rows, shape.cols)), (gamma.shape, acc, gamma), (gamma.shape, acc, gamma)]
 
 
 def _backward_views(shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
@@ -79,7 +57,7 @@ def _native_entry(choice, shape, x: Tensor, gamma: Tensor, beta: Tensor, *epsilo
     return native.node(lambda ext: (ext.LAYER_NORM, ext.layer_norm), _differentiable_backward)
 
 
-plan_layer_norm = Planner(spec.LAYER_NORM, contract.check_layer_norm, adapter=_layer_norm_2d, native=_native_entry,
+plan_layer_norm = Planner(spec.LAYER_NORM, adapter=_layer_norm_2d, native=_native_entry,
                           program=lambda: _cpu().program_layer_norm)
 
 
@@ -89,7 +67,7 @@ def _layer_norm_body(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float) -> 
 
 
 # node: the module's call (layer_norm_output) takes the native node, which returns y alone
-_layer_norm = DirectOp(spec.LAYER_NORM, _layer_norm_body, plan_layer_norm, _results,
+_layer_norm = DirectOp(spec.LAYER_NORM, _layer_norm_body, plan_layer_norm,
                        node=lambda ext: ext.layer_norm_planned)
 
 
@@ -101,7 +79,7 @@ def _layer_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, variance: Tensor, mean
     return own(fit(pdx, x.shape), fit(res, x.shape))
 
 
-plan_layer_norm_grad = Planner(spec.LAYER_NORM_GRAD, contract.check_layer_norm_grad, adapter=_layer_norm_grad_2d,
+plan_layer_norm_grad = Planner(spec.LAYER_NORM_GRAD, adapter=_layer_norm_grad_2d,
                                program=lambda: _cpu().program_layer_norm_grad)
 
 
@@ -111,15 +89,14 @@ def _layer_norm_grad_body(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor,
     return plan.run(plan.shape, dy, x, variance, mean, gamma, epsilon)
 
 
-_layer_norm_grad = DirectOp(spec.LAYER_NORM_GRAD, _layer_norm_grad_body, plan_layer_norm_grad,
-                            _grad_results)
+_layer_norm_grad = DirectOp(spec.LAYER_NORM_GRAD, _layer_norm_grad_body, plan_layer_norm_grad)
 
 
 def _layer_norm_grad_beta_2d(fn, shape, res_for_gamma: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     return own(*fn(*_beta_views(shape, res_for_gamma, dy)))
 
 
-plan_layer_norm_grad_beta = Planner(spec.LAYER_NORM_GRAD_BETA, contract.check_layer_norm_grad_beta, device_arg=1,
+plan_layer_norm_grad_beta = Planner(spec.LAYER_NORM_GRAD_BETA, device_arg=1,
                                     adapter=_layer_norm_grad_beta_2d,
                                     program=lambda: _cpu().program_layer_norm_grad_beta)
 
@@ -129,8 +106,7 @@ def _layer_norm_grad_beta_body(res_for_gamma: Tensor, dy: Tensor) -> tuple[Tenso
     return plan.run(plan.shape, res_for_gamma, dy)
 
 
-_layer_norm_grad_beta = DirectOp(spec.LAYER_NORM_GRAD_BETA, _layer_norm_grad_beta_body,
-                                 plan_layer_norm_grad_beta, _beta_results)
+_layer_norm_grad_beta = DirectOp(spec.LAYER_NORM_GRAD_BETA, _layer_norm_grad_beta_body, plan_layer_norm_grad_beta)
 
 
 def _layer_norm_backward_2d(fn, shape, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, *,
@@ -141,8 +117,8 @@ def _layer_norm_backward_2d(fn, shape, dy: Tensor, x: Tensor, mean: Tensor, rstd
     return own(fit(dx, x.shape), dgamma, dbeta)
 
 
-plan_layer_norm_backward = Planner(spec.LAYER_NORM_BACKWARD, contract.check_layer_norm_backward,
-                                   adapter=_layer_norm_backward_2d, program=lambda: _cpu().program_layer_norm_backward)
+plan_layer_norm_backward = Planner(spec.LAYER_NORM_BACKWARD, adapter=_layer_norm_backward_2d,
+                                   program=lambda: _cpu().program_layer_norm_backward)
 
 
 def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -151,8 +127,7 @@ def _layer_norm_backward_body(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     return plan.run(plan.shape, dy, x, mean, rstd, gamma)
 
 
-_layer_norm_backward = DirectOp(spec.LAYER_NORM_BACKWARD, _layer_norm_backward_body,
-                                plan_layer_norm_backward, _backward_results)
+_layer_norm_backward = DirectOp(spec.LAYER_NORM_BACKWARD, _layer_norm_backward_body, plan_layer_norm_backward)
 
 
 def _layer_norm_backward_formula(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -263,7 +238,7 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, epsilon: float = 1e-5, *,
     if out is not None:
         if _layer_norm.direct_into(out, x, gamma, beta, epsilon):  # the common out= call (see DirectOp.direct_into)
             return tuple(out)
-        return into("layer_norm", plan_layer_norm, _results, ("x", "gamma", "beta"), (x, gamma, beta, epsilon), out,
+        return into(spec.LAYER_NORM, plan_layer_norm, ("x", "gamma", "beta"), (x, gamma, beta, epsilon), out,
                     (0, 1, 2), views=_views, via=_layer_norm)
     return _layer_norm(x, gamma, beta, epsilon)
 
@@ -287,7 +262,7 @@ def layer_norm_grad(dy: Tensor, x: Tensor, variance: Tensor, mean: Tensor, gamma
         args = (dy, x, variance, mean, gamma, epsilon)
         plan_layer_norm_grad(*args)  # refusals first, as the call without out=
         checked_statistic("layer_norm_grad", "variance", variance, float(epsilon))
-        return into("layer_norm_grad", plan_layer_norm_grad, _grad_results, ("dy", "x", "variance", "mean", "gamma"),
+        return into(spec.LAYER_NORM_GRAD, plan_layer_norm_grad, ("dy", "x", "variance", "mean", "gamma"),
                     args, out, views=_grad_views, via=_layer_norm_grad)
     return _layer_norm_grad(dy, x, variance, mean, gamma, epsilon)
 
@@ -300,7 +275,7 @@ def layer_norm_grad_beta(res_for_gamma: Tensor, dy: Tensor, *, out: tuple[Tensor
     if out is not None:
         if _layer_norm_grad_beta.direct_into(out, res_for_gamma, dy):
             return tuple(out)
-        return into("layer_norm_grad_beta", plan_layer_norm_grad_beta, _beta_results, ("res_for_gamma", "dy"),
+        return into(spec.LAYER_NORM_GRAD_BETA, plan_layer_norm_grad_beta, ("res_for_gamma", "dy"),
                     (res_for_gamma, dy), out, views=_beta_views, via=_layer_norm_grad_beta)
     return _layer_norm_grad_beta(res_for_gamma, dy)
 
@@ -329,6 +304,6 @@ def layer_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma
         args = (dy, x, mean, rstd, gamma)
         plan_layer_norm_backward(*args)  # refusals first, as the call without out=
         checked_statistic("layer_norm_backward", "rstd", rstd, 0.0)
-        return into("layer_norm_backward", plan_layer_norm_backward, _backward_results,
-                    ("dy", "x", "mean", "rstd", "gamma"), args, out, views=_backward_views, via=_layer_norm_backward)
+        return into(spec.LAYER_NORM_BACKWARD, plan_layer_norm_backward, ("dy", "x", "mean", "rstd", "gamma"), args,
+                    out, views=_backward_views, via=_layer_norm_backward)
     return _layer_norm_backward(dy, x, mean, rstd, gamma)

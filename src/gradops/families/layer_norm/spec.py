@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, provided, rows_shardable
-from . import reference
+from . import contract, reference
 
 EPS = 1e-5
 aten = torch.ops.aten
@@ -202,20 +202,24 @@ SPECS = (
            golden=Golden(("y", "mean", "variance"), ("epsilon", "gamma_dtype"), _golden_inputs("layer_norm"),
                          peer=_layer_norm_peer),
            sharding=_layer_norm_rule, node=True,
+           check=contract.check_layer_norm, results=contract.layer_norm_results,
            providers=provided(_BACKENDS, lambda m: m.LAYER_NORM)),
     OpSpec("layer_norm_grad", "AscendC LayerNormGrad", True, example=_example("layer_norm_grad"),
            golden=Golden(("pd_x", "res_for_gamma"), ("epsilon", "stat_dtype", "gamma_dtype"),
                          _golden_inputs("layer_norm_grad"), peer=_backward_peer("layer_norm_grad")),
            timing=PAIR, sharding=_grad_rule,
+           check=contract.check_layer_norm_grad, results=contract.layer_norm_grad_results,
            providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_GRAD)),
     OpSpec("layer_norm_grad_beta", "AscendC LayerNormGradBeta", True, example=_example("layer_norm_grad_beta"),
            golden=Golden(("pd_gamma", "pd_beta"), ("epsilon",), _golden_inputs("layer_norm_grad_beta")),
            timing=PAIR, sharding=_grad_beta_rule,
+           check=contract.check_layer_norm_grad_beta, results=contract.layer_norm_grad_beta_results,
            providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_GRAD_BETA)),
     OpSpec("layer_norm_backward", "aclnnLayerNormBackward", True, example=_example("layer_norm_backward"),
            golden=Golden(("dx", "dgamma", "dbeta"), ("epsilon", "gamma_dtype"), _golden_inputs("layer_norm_backward"),
                          peer=_backward_peer("layer_norm_backward")),
            timing=BACKWARD, sharding=_backward_rule,
+           check=contract.check_layer_norm_backward, results=contract.layer_norm_backward_results,
            providers=provided(_BACKENDS, lambda m: m.LAYER_NORM_BACKWARD)),
 )
 LAYER_NORM, LAYER_NORM_GRAD, LAYER_NORM_GRAD_BETA, LAYER_NORM_BACKWARD = SPECS

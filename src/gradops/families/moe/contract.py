@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ...contract._common import (
+    Result,
     fail,
     floats,
     require_dtype,
@@ -45,6 +46,35 @@ class MoeShape(NamedTuple):
     topk: int      # K
     hidden: int    # H
     rows: int      # permuted rows present: num_out_tokens (forward) or grad.shape[0] (backward), <= T*K
+
+
+# What each op returns, declared once (see gradops.contract._common.Result).
+def moe_token_permute_results(shape: MoeShape, tokens, indices, num_out_tokens=None, padded_mode=False
+                              ) -> list[Result]:
+    """MoeTokenPermute's results: permuted (rows, H) in tokens' dtype, sorted_indices (T·K,) int32."""
+    return [Result((shape.rows, shape.hidden), tokens.dtype, tokens),
+            Result((shape.tokens * shape.topk,), torch.int32, indices)]
+
+
+def moe_token_permute_grad_results(shape: MoeShape, permuted_output_grad, sorted_indices, num_topk,
+                                   padded_mode=False) -> list[Result]:
+    """MoeTokenPermuteGrad's result: the (T, H) token gradient in the gradient's dtype."""
+    return [Result((shape.tokens, shape.hidden), permuted_output_grad.dtype, permuted_output_grad)]
+
+
+def moe_token_unpermute_results(shape: MoeShape, permuted_tokens, sorted_indices, probs=None, padded_mode=False
+                                ) -> list[Result]:
+    """MoeTokenUnpermute's result: (T, H) in permuted_tokens' dtype."""
+    return [Result((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
+
+
+def moe_token_unpermute_grad_results(shape: MoeShape, permuted_tokens, grad_unpermuted, sorted_indices, probs=None,
+                                     padded_mode=False) -> list[Result]:
+    """MoeTokenUnpermuteGrad's results: the rows' gradient (rows, H) in permuted_tokens' dtype, the probs' (T, K) in
+    probs' dtype; without probs an empty (0,) tensor of permuted_tokens' dtype (torch_npu's schema)."""
+    d_probs = (Result((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else
+               Result((shape.tokens, shape.topk), probs.dtype, probs))
+    return [Result((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens), d_probs]
 
 
 def _check_padded_mode(op: str, padded_mode: object) -> None:

@@ -12,20 +12,38 @@ its K copies, from cache).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from ...cpu._host import dense, finish, kernel, output
+from ...contract._common import Outputs, written
+from ...cpu._host import allocate, dense, finish, kernel, output
 from ...cpu.programs import Program, arg
 from ...spec import Impl
 from . import routing_reference as routing
 from .contract import (
     MoeShape,
     expert_id_error,
+    moe_token_permute_grad_results,
+    moe_token_permute_results,
+    moe_token_unpermute_grad_results,
+    moe_token_unpermute_results,
     negative_id_error,
     permutation_error,
     sorted_index_error,
 )
+from .routing_contract import (
+    RouteShape,
+    moe_token_permute_with_routing_map_grad_results,
+    moe_token_permute_with_routing_map_results,
+    moe_token_unpermute_with_routing_map_grad_results,
+    moe_token_unpermute_with_routing_map_results,
+)
+
+
+def _permute_run(tokens: Tensor, indices: Tensor, permuted: Tensor, inverse: Tensor, k: int) -> None:
+    idx = dense(indices)
+    bad = kernel("moe_token_permute", (dense(tokens), idx), (permuted, inverse), (k,))
+    if bad >= 0:
+        raise negative_id_error(idx) or expert_id_error("a value changed again before it could be shown", -1)
 
 
 def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
@@ -44,21 +62,28 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *,
     h = tokens.shape[1]
     total = indices.numel()
     k = indices.shape[1] if indices.dim() == 2 else 1
-    permuted = output(None if out is None else out[0], (num_rows, h), tokens.dtype)
-    inverse = output(None if out is None else out[1], (total,), torch.int32)
-    idx = dense(indices)
-    bad = kernel("moe_token_permute", (dense(tokens), idx), (permuted, inverse), (k,))
-    if bad >= 0:
-        raise negative_id_error(idx) or expert_id_error("a value changed again before it could be shown", -1)
+    specs = written(moe_token_permute_results(MoeShape(total // k, k, h, num_rows), tokens, indices))
+    permuted, inverse = (output(None if out is None else out[i], *spec) for i, spec in enumerate(specs))
+    _permute_run(tokens, indices, permuted, inverse, k)
     if out is None:
         return permuted, inverse
     return finish(permuted, out[0]), finish(inverse, out[1])
 
 
-def moe_token_permute_shaped(shape: MoeShape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
-                             padded_mode: bool = False) -> tuple[Tensor, Tensor]:
+def moe_token_permute_shaped(outputs: Outputs, shape: MoeShape, tokens: Tensor, indices: Tensor,
+                             num_out_tokens: int | None, padded_mode: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
-    return moe_token_permute(tokens, indices, shape.rows)
+    permuted, inverse = allocate(outputs, (tokens, indices, num_out_tokens, padded_mode))
+    _permute_run(tokens, indices, permuted, inverse, shape.topk)
+    return permuted, inverse
+
+
+def _permute_grad_run(grad: Tensor, sorted_indices: Tensor, num_topk: int, buf: Tensor) -> None:
+    idx = dense(sorted_indices)
+    bad = kernel("moe_token_permute_grad", (dense(grad), idx), (buf,), (num_topk,))
+    if bad >= 0:
+        raise permutation_error(idx, "moe_token_permute_grad") or sorted_index_error(
+            "a value changed again before it could be shown", -1, sorted_indices.numel())
 
 
 def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, *, trusted: bool = False,
@@ -78,20 +103,27 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
         The (T, H) token gradient.
     """
     total = sorted_indices.numel()
-    buf = output(out, (total // num_topk, grad.shape[1]), grad.dtype)
-    idx = dense(sorted_indices)
-    bad = kernel("moe_token_permute_grad", (dense(grad), idx), (buf,), (num_topk,))
-    if bad >= 0:
-        raise permutation_error(idx, "moe_token_permute_grad") or sorted_index_error(
-            "a value changed again before it could be shown", -1, total)
+    shape = MoeShape(total // num_topk, num_topk, grad.shape[1], grad.shape[0])
+    (spec,) = written(moe_token_permute_grad_results(shape, grad, sorted_indices, num_topk))
+    buf = output(out, *spec)
+    _permute_grad_run(grad, sorted_indices, num_topk, buf)
     return finish(buf, out)
 
 
-def moe_token_permute_grad_shaped(shape: MoeShape, grad: Tensor, sorted_indices: Tensor, num_topk: int,
-                                  padded_mode: bool = False, *, checked: bool = False) -> Tensor:
+def moe_token_permute_grad_shaped(outputs: Outputs, shape: MoeShape, grad: Tensor, sorted_indices: Tensor,
+                                  num_topk: int, padded_mode: bool = False, *, checked: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones). The
     permutation test runs in the kernel whatever ``checked`` says (it is cheap here)."""
-    return moe_token_permute_grad(grad, sorted_indices, num_topk)
+    (buf,) = allocate(outputs, (grad, sorted_indices, num_topk, padded_mode))
+    _permute_grad_run(grad, sorted_indices, num_topk, buf)
+    return buf
+
+
+def _unpermute_run(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None, buf: Tensor) -> None:
+    weights = None if probs is None else dense(probs)
+    bad = kernel("moe_token_unpermute", (dense(permuted_tokens), dense(sorted_indices), weights), (buf,))
+    if bad >= 0:
+        raise permutation_error(sorted_indices, "moe_token_unpermute")
 
 
 def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None, *,
@@ -104,18 +136,29 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     """
     total = sorted_indices.numel()
     topk = 1 if probs is None else probs.shape[1]
-    buf = output(out, (total // topk, permuted_tokens.shape[1]), permuted_tokens.dtype)
-    weights = None if probs is None else dense(probs)
-    bad = kernel("moe_token_unpermute", (dense(permuted_tokens), dense(sorted_indices), weights), (buf,))
-    if bad >= 0:
-        raise permutation_error(sorted_indices, "moe_token_unpermute")
+    shape = MoeShape(total // topk, topk, permuted_tokens.shape[1], permuted_tokens.shape[0])
+    (spec,) = written(moe_token_unpermute_results(shape, permuted_tokens, sorted_indices, probs))
+    buf = output(out, *spec)
+    _unpermute_run(permuted_tokens, sorted_indices, probs, buf)
     return finish(buf, out)
 
 
-def moe_token_unpermute_shaped(shape: MoeShape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
-                               padded_mode: bool = False) -> Tensor:
+def moe_token_unpermute_shaped(outputs: Outputs, shape: MoeShape, permuted_tokens: Tensor, sorted_indices: Tensor,
+                               probs: Tensor | None, padded_mode: bool = False) -> Tensor:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
-    return moe_token_unpermute(permuted_tokens, sorted_indices, probs)
+    (buf,) = allocate(outputs, (permuted_tokens, sorted_indices, probs, padded_mode))
+    _unpermute_run(permuted_tokens, sorted_indices, probs, buf)
+    return buf
+
+
+def _unpermute_grad_run(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
+                        probs: Tensor | None, trusted: bool, dx: Tensor, dp: Tensor) -> None:
+    weights = None if probs is None else dense(probs)
+    bad = kernel("moe_token_unpermute_grad",
+                 (dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices), weights), (dx, dp),
+                 (0 if trusted else 1,))
+    if bad >= 0:
+        raise permutation_error(sorted_indices, "moe_token_unpermute_grad")
 
 
 def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -129,28 +172,25 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     autograd's version counter guards); an entry outside [0, A) is never read or written with either way.
     ``out``: optional preallocated pair (the second ignored without probs).
     """
-    tokens = grad_unpermuted.shape[0]
-    dx = output(None if out is None else out[0], tuple(permuted_tokens.shape), permuted_tokens.dtype)
-    if probs is None:
-        dp = permuted_tokens.new_empty(0)
-    else:
-        dp = output(None if out is None else out[1], (tokens, probs.shape[1]), probs.dtype)
-    weights = None if probs is None else dense(probs)
-    bad = kernel("moe_token_unpermute_grad",
-                 (dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices), weights), (dx, dp),
-                 (0 if trusted else 1,))
-    if bad >= 0:
-        raise permutation_error(sorted_indices, "moe_token_unpermute_grad")
+    shape = MoeShape(grad_unpermuted.shape[0], 1 if probs is None else probs.shape[1], permuted_tokens.shape[1],
+                     permuted_tokens.shape[0])
+    dx_spec, dp_spec = written(moe_token_unpermute_grad_results(shape, permuted_tokens, grad_unpermuted,
+                                                                sorted_indices, probs))
+    dx = output(None if out is None else out[0], *dx_spec)
+    dp = output(None if out is None or probs is None else out[1], *dp_spec)  # no probs: out[1] is not written
+    _unpermute_grad_run(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted, dx, dp)
     if out is None:
         return dx, dp
     return finish(dx, out[0]), (finish(dp, out[1]) if probs is not None else dp)
 
 
-def moe_token_unpermute_grad_shaped(shape: MoeShape, permuted_tokens: Tensor, grad_unpermuted: Tensor,
+def moe_token_unpermute_grad_shaped(outputs: Outputs, shape: MoeShape, permuted_tokens: Tensor, grad_unpermuted: Tensor,
                                     sorted_indices: Tensor, probs: Tensor | None, padded_mode: bool = False, *,
                                     trusted: bool = False) -> tuple[Tensor, Tensor]:
     """The op as its public function takes it (see :mod:`gradops.ops._plan`; the shapes are the 2-D ones)."""
-    return moe_token_unpermute_grad(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted=trusted)
+    dx, dp = allocate(outputs, (permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode))
+    _unpermute_grad_run(permuted_tokens, grad_unpermuted, sorted_indices, probs, trusted, dx, dp)
+    return dx, dp
 
 # ---------------------------------------------------------------- the routing-map ops
 # One kernel per op (moe_permute.cpp: the slot tables of gradops.families.moe.routing_reference built in integer passes,
@@ -165,6 +205,11 @@ def _refused(table_op, *args) -> None:
     accepts what the kernel refused is gradops' bug, said as such)."""
     table_op(*args)
     raise RuntimeError("gradops: the routing-map kernel refused a value its slot tables accept; please report it")
+
+
+def _detached(results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The slot tables' results as the op returns them: not autograd views (see gradops.ops._direct.own)."""
+    return tuple(t.detach() for t in results)
 
 
 def _optional(t: Tensor | None) -> Tensor | None:
@@ -183,15 +228,26 @@ def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, prob
     per = wanted // e if drop_and_pad else (wanted // t if t else 0)
     if not t or not per:
         return _TABLES[0](tokens, routing_map, probs, num_out_tokens, drop_and_pad)
-    slots = per * (e if drop_and_pad else t)
-    permuted = output(None, (slots, h), tokens.dtype)
-    permuted_probs = tokens.new_empty(0) if probs is None else output(None, (slots,), probs.dtype)
-    sorted_indices = output(None, (slots,), torch.int32)
-    bad = kernel("moe_token_permute_with_routing_map", (dense(tokens), dense(routing_map), _optional(probs)),
-                 (permuted, permuted_probs, sorted_indices), (per, int(drop_and_pad)))
-    if bad >= 0:
-        _refused(_TABLES[0], tokens, routing_map, probs, num_out_tokens, drop_and_pad)
-    return permuted, permuted_probs, sorted_indices
+    args = (tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+    shape = RouteShape(t, e, h, per * (e if drop_and_pad else t), per)
+    outs = [output(None, *spec) for spec in written(moe_token_permute_with_routing_map_results(shape, *args))]
+    return _permute_with_routing_map_run(args, per, outs)
+
+
+def _permute_with_routing_map_run(args: tuple, per: int, outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    tokens, routing_map, probs, _, drop_and_pad = args
+    if kernel("moe_token_permute_with_routing_map", (dense(tokens), dense(routing_map), _optional(probs)), outs,
+              (per, int(drop_and_pad))) >= 0:
+        _refused(_TABLES[0], *args)
+    return tuple(outs)
+
+
+def moe_token_permute_with_routing_map_shaped(outputs: Outputs, shape: RouteShape, *args
+                                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """The op on its call plan's outputs (see :mod:`gradops.ops._plan`)."""
+    if not shape.tokens or not shape.per:
+        return _detached(_TABLES[0](*args))
+    return _permute_with_routing_map_run(args, shape.per, allocate(outputs, args))
 
 
 def moe_token_permute_with_routing_map_grad(grad: Tensor, grad_probs: Tensor | None, sorted_indices: Tensor,
@@ -202,20 +258,45 @@ def moe_token_permute_with_routing_map_grad(grad: Tensor, grad_probs: Tensor | N
     args = (grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens, drop_and_pad)
     if not num_tokens or not sorted_indices.numel():
         return _TABLES[1](*args)
-    dtokens = output(None, (num_tokens, grad.shape[1]), grad.dtype)
-    dprobs = grad.new_empty(0) if grad_probs is None else output(None, (num_tokens, num_experts), grad_probs.dtype)
-    bad = kernel("moe_token_permute_with_routing_map_grad",
-                 (dense(grad), _optional(grad_probs), dense(sorted_indices), _optional(routing_map)), (dtokens, dprobs),
-                 (num_experts, num_tokens, int(drop_and_pad)))
-    if bad >= 0:
+    slots_of = num_experts if drop_and_pad else num_tokens  # per = total // slots_of: K, or C with drop_and_pad
+    shape = RouteShape(num_tokens, num_experts, grad.shape[1], grad.shape[0],
+                       sorted_indices.numel() // slots_of if slots_of else 0)
+    outs = [output(None, *spec) for spec in written(moe_token_permute_with_routing_map_grad_results(shape, *args))]
+    return _permute_with_routing_map_grad_run(args, outs)
+
+
+def _permute_with_routing_map_grad_run(args: tuple, outs: list[Tensor]) -> tuple[Tensor, Tensor]:
+    grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens, drop_and_pad = args
+    if kernel("moe_token_permute_with_routing_map_grad",
+              (dense(grad), _optional(grad_probs), dense(sorted_indices), _optional(routing_map)), outs,
+              (num_experts, num_tokens, int(drop_and_pad))) >= 0:
         _refused(_TABLES[1], *args)
-    return dtokens, dprobs
+    return tuple(outs)
+
+
+def moe_token_permute_with_routing_map_grad_shaped(outputs: Outputs, shape: RouteShape, *args
+                                                   ) -> tuple[Tensor, Tensor]:
+    """The op on its call plan's outputs (see :mod:`gradops.ops._plan`)."""
+    if not args[5] or not args[2].numel():  # no token, no slot
+        return _detached(_TABLES[1](*args))
+    return _permute_with_routing_map_grad_run(args, allocate(outputs, args))
 
 
 def _capacity(rows: int, probs: Tensor | None, routing_map: Tensor | None) -> int:
     """drop_and_pad's rows per expert C = A // E (0 where neither probs nor the map says E)."""
     known = probs if probs is not None else routing_map
     return rows // known.shape[1] if known is not None and known.shape[1] else 0
+
+
+def _unpermute_shape(tokens: int, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
+                     routing_map: Tensor | None, drop_and_pad: bool) -> RouteShape:
+    """The view of an unpermute (or its gradient) on T tokens: E where probs or the map says it (else 0), A rows,
+    K or C slots."""
+    known = probs if probs is not None else routing_map
+    experts = known.shape[1] if known is not None else 0
+    rows = permuted_tokens.shape[0]
+    per = _capacity(rows, probs, routing_map) if drop_and_pad else sorted_indices.numel() // tokens
+    return RouteShape(tokens, experts, permuted_tokens.shape[1], rows, per)
 
 
 def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices: Tensor, restore_shape,
@@ -226,13 +307,26 @@ def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices
     tokens = restore_shape[0]
     if not tokens or not sorted_indices.numel():
         return _TABLES[2](*args)
-    out = output(None, (tokens, permuted_tokens.shape[1]), permuted_tokens.dtype)
-    bad = kernel("moe_token_unpermute_with_routing_map",
-                 (dense(permuted_tokens), dense(sorted_indices), _optional(probs), _optional(routing_map)), (out,),
-                 (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map)))
-    if bad >= 0:
+    shape = _unpermute_shape(tokens, permuted_tokens, sorted_indices, probs, routing_map, drop_and_pad)
+    (spec,) = written(moe_token_unpermute_with_routing_map_results(shape, *args))
+    return _unpermute_with_routing_map_run(args, output(None, *spec))
+
+
+def _unpermute_with_routing_map_run(args: tuple, out: Tensor) -> Tensor:
+    permuted_tokens, sorted_indices, _, probs, routing_map, drop_and_pad = args
+    if kernel("moe_token_unpermute_with_routing_map",
+              (dense(permuted_tokens), dense(sorted_indices), _optional(probs), _optional(routing_map)), (out,),
+              (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map))) >= 0:
         _refused(_TABLES[2], *args)
     return out
+
+
+def moe_token_unpermute_with_routing_map_shaped(outputs: Outputs, shape: RouteShape, *args) -> Tensor:
+    """The op on its call plan's outputs (see :mod:`gradops.ops._plan`)."""
+    if not args[2][0] or not args[1].numel():  # no token (restore_shape), no slot
+        return _TABLES[2](*args).detach()
+    (out,) = allocate(outputs, args)
+    return _unpermute_with_routing_map_run(args, out)
 
 
 def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor,
@@ -244,15 +338,28 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
     args = (permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map, drop_and_pad)
     if not grad_unpermuted.shape[0] or not sorted_indices.numel():
         return _TABLES[3](*args)
-    dx = output(None, tuple(permuted_tokens.shape), permuted_tokens.dtype)
-    dp = permuted_tokens.new_empty(0) if probs is None else output(None, tuple(probs.shape), probs.dtype)
-    bad = kernel("moe_token_unpermute_with_routing_map_grad",
-                 (dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices), _optional(probs),
-                  _optional(routing_map)), (dx, dp),
-                 (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map)))
-    if bad >= 0:
+    shape = _unpermute_shape(grad_unpermuted.shape[0], permuted_tokens, sorted_indices, probs, routing_map,
+                             drop_and_pad)
+    outs = [output(None, *spec) for spec in written(moe_token_unpermute_with_routing_map_grad_results(shape, *args))]
+    return _unpermute_with_routing_map_grad_run(args, outs)
+
+
+def _unpermute_with_routing_map_grad_run(args: tuple, outs: list[Tensor]) -> tuple[Tensor, Tensor]:
+    permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map, drop_and_pad = args
+    if kernel("moe_token_unpermute_with_routing_map_grad",
+              (dense(permuted_tokens), dense(grad_unpermuted), dense(sorted_indices), _optional(probs),
+               _optional(routing_map)), outs,
+              (int(drop_and_pad), _capacity(permuted_tokens.shape[0], probs, routing_map))) >= 0:
         _refused(_TABLES[3], *args)
-    return dx, dp
+    return tuple(outs)
+
+
+def moe_token_unpermute_with_routing_map_grad_shaped(outputs: Outputs, shape: RouteShape, *args
+                                                     ) -> tuple[Tensor, Tensor]:
+    """The op on its call plan's outputs (see :mod:`gradops.ops._plan`)."""
+    if not args[1].shape[0] or not args[2].numel():  # no token, no slot
+        return _detached(_TABLES[3](*args))
+    return _unpermute_with_routing_map_grad_run(args, allocate(outputs, args))
 
 
 # ---------------------------------------------------------------- the direct calls' programs
@@ -263,7 +370,7 @@ def program_moe_token_permute(shape, tokens, indices, num_out_tokens, padded_mod
     if not indices.numel() or tokens.dim() != 2:
         return None
     p = Program()
-    out, inverse = p.output((shape.rows, tokens.shape[1]), tokens.dtype), p.output((indices.numel(),), torch.int32)
+    out, inverse = p.declared(moe_token_permute_results(shape, tokens, indices, num_out_tokens, padded_mode))
     p.kernel("moe_token_permute", [arg(0), arg(1)], [out, inverse], [shape.topk])
     return p.returns(out, inverse)
 
@@ -273,7 +380,7 @@ def program_moe_token_permute_grad(shape, grad, sorted_indices, num_topk, padded
     if not tokens or not h:
         return None
     p = Program()
-    out = p.output((tokens, h), grad.dtype)
+    (out,) = p.declared(moe_token_permute_grad_results(shape, grad, sorted_indices, num_topk, padded_mode))
     p.kernel("moe_token_permute_grad", [arg(0), arg(1)], [out], [num_topk])
     return p.returns(out)
 
@@ -284,7 +391,7 @@ def program_moe_token_unpermute(shape, permuted_tokens, sorted_indices, probs, p
     if not tokens or not h:
         return None
     p = Program()
-    out = p.output((tokens, h), permuted_tokens.dtype)
+    (out,) = p.declared(moe_token_unpermute_results(shape, permuted_tokens, sorted_indices, probs, padded_mode))
     p.kernel("moe_token_unpermute", [arg(0), arg(1), None if probs is None else arg(2)], [out])
     return p.returns(out)
 
@@ -294,9 +401,9 @@ def program_moe_token_unpermute_grad(shape, permuted_tokens, grad_unpermuted, so
     if not tokens or not permuted_tokens.shape[1]:
         return None
     p = Program()
-    dx = p.output(permuted_tokens.shape, permuted_tokens.dtype)
     # Without probs: no probs gradient, an empty tensor of permuted_tokens' dtype (the Python path's).
-    dp = p.output((0,), permuted_tokens.dtype) if probs is None else p.output(probs.shape, probs.dtype)
+    dx, dp = p.declared(moe_token_unpermute_grad_results(shape, permuted_tokens, grad_unpermuted, sorted_indices,
+                                                         probs, padded_mode))
     p.kernel("moe_token_unpermute_grad", [arg(0), arg(1), arg(2), None if probs is None else arg(3)], [dx, dp], [1])
     return p.returns(dx, dp)
 
@@ -311,9 +418,9 @@ def _slots(*tensors: Tensor | None) -> list[tuple[int, int] | None]:
     return slots
 
 
-def _routing_program(name: str, inputs: list, outputs: list, ints: list) -> Program:
+def _routing_program(name: str, inputs: list, results: list, ints: list) -> Program:
     p = Program()
-    made = [p.output(shape, dtype) for shape, dtype in outputs]
+    made = p.declared(results)
     p.kernel(name, inputs, made, ints)
     return p.returns(*made)
 
@@ -321,21 +428,20 @@ def _routing_program(name: str, inputs: list, outputs: list, ints: list) -> Prog
 def program_moe_token_permute_with_routing_map(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad):
     if not shape.tokens or not shape.hidden or not shape.per:
         return None
-    return _routing_program("moe_token_permute_with_routing_map", _slots(tokens, routing_map, probs),
-                            [((shape.rows, shape.hidden), tokens.dtype),
-                             ((0,), tokens.dtype) if probs is None else ((shape.rows,), probs.dtype),
-                             ((shape.rows,), torch.int32)], [shape.per, int(drop_and_pad)])
+    results = moe_token_permute_with_routing_map_results(shape, tokens, routing_map, probs, num_out_tokens,
+                                                         drop_and_pad)
+    return _routing_program("moe_token_permute_with_routing_map", _slots(tokens, routing_map, probs), results,
+                            [shape.per, int(drop_and_pad)])
 
 
 def program_moe_token_permute_with_routing_map_grad(shape, grad, grad_probs, sorted_indices, routing_map, num_experts,
                                            num_tokens, drop_and_pad):
     if not num_tokens or not shape.hidden or not sorted_indices.numel():
         return None
+    results = moe_token_permute_with_routing_map_grad_results(shape, grad, grad_probs, sorted_indices, routing_map,
+                                                              num_experts, num_tokens, drop_and_pad)
     return _routing_program("moe_token_permute_with_routing_map_grad",
-                            _slots(grad, grad_probs, sorted_indices, routing_map),
-                            [((num_tokens, shape.hidden), grad.dtype),
-                             ((0,), grad.dtype) if grad_probs is None else ((num_tokens, num_experts),
-                                                                            grad_probs.dtype)],
+                            _slots(grad, grad_probs, sorted_indices, routing_map), results,
                             [num_experts, num_tokens, int(drop_and_pad)])
 
 
@@ -343,9 +449,10 @@ def program_moe_token_unpermute_with_routing_map(shape, permuted_tokens, sorted_
                                                  routing_map, drop_and_pad):
     if not shape.tokens or not shape.hidden or not sorted_indices.numel():
         return None
+    results = moe_token_unpermute_with_routing_map_results(shape, permuted_tokens, sorted_indices, restore_shape,
+                                                           probs, routing_map, drop_and_pad)
     return _routing_program("moe_token_unpermute_with_routing_map",
-                            _slots(permuted_tokens, sorted_indices, probs, routing_map),
-                            [((shape.tokens, shape.hidden), permuted_tokens.dtype)],
+                            _slots(permuted_tokens, sorted_indices, probs, routing_map), results,
                             [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
 
 
@@ -353,10 +460,10 @@ def program_moe_token_unpermute_with_routing_map_grad(shape, permuted_tokens, gr
                                              routing_map, drop_and_pad):
     if not shape.tokens or not shape.hidden or not sorted_indices.numel():
         return None
+    results = moe_token_unpermute_with_routing_map_grad_results(shape, permuted_tokens, grad_unpermuted,
+                                                                sorted_indices, probs, routing_map, drop_and_pad)
     return _routing_program("moe_token_unpermute_with_routing_map_grad",
-                            _slots(permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map),
-                            [(tuple(permuted_tokens.shape), permuted_tokens.dtype),
-                             ((0,), permuted_tokens.dtype) if probs is None else (tuple(probs.shape), probs.dtype)],
+                            _slots(permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map), results,
                             [int(drop_and_pad), _capacity(shape.rows, probs, routing_map)])
 
 
@@ -366,7 +473,11 @@ MOE_TOKEN_PERMUTE = Impl(moe_token_permute, shaped=moe_token_permute_shaped)
 MOE_TOKEN_PERMUTE_GRAD = Impl(moe_token_permute_grad, shaped=moe_token_permute_grad_shaped)
 MOE_TOKEN_UNPERMUTE = Impl(moe_token_unpermute, shaped=moe_token_unpermute_shaped)
 MOE_TOKEN_UNPERMUTE_GRAD = Impl(moe_token_unpermute_grad, shaped=moe_token_unpermute_grad_shaped)
-MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = Impl(moe_token_permute_with_routing_map)
-MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_permute_with_routing_map_grad)
-MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = Impl(moe_token_unpermute_with_routing_map)
-MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_unpermute_with_routing_map_grad)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = Impl(moe_token_permute_with_routing_map,
+                                          shaped=moe_token_permute_with_routing_map_shaped)
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_permute_with_routing_map_grad,
+                                               shaped=moe_token_permute_with_routing_map_grad_shaped)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = Impl(moe_token_unpermute_with_routing_map,
+                                            shaped=moe_token_unpermute_with_routing_map_shaped)
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = Impl(moe_token_unpermute_with_routing_map_grad,
+                                                 shaped=moe_token_unpermute_with_routing_map_grad_shaped)

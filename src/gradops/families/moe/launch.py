@@ -7,10 +7,21 @@ import torch
 import triton
 from torch import Tensor
 
+from ...contract._common import written
 from ...launch._common import carve, guard, launch, outputs, workspace_bytes
 from ...spec import Impl
 from . import routing_reference as routing
-from .contract import expert_id_error, negative_id_error, permutation_error, sorted_index_error
+from .contract import (
+    MoeShape,
+    expert_id_error,
+    moe_token_permute_grad_results,
+    moe_token_permute_results,
+    moe_token_unpermute_grad_results,
+    moe_token_unpermute_results,
+    negative_id_error,
+    permutation_error,
+    sorted_index_error,
+)
 from .kernels import (
     moe_blocks,
     moe_token_permute_grad_kernel,
@@ -49,7 +60,8 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_rows: int, *, workspa
     h = tokens.shape[1]
     k = indices.shape[1] if indices.dim() == 2 else 1
     total = indices.numel()
-    permuted, inverse = outputs(out, [((num_rows, h), tokens.dtype), ((total,), torch.int32)], tokens.device)
+    results = moe_token_permute_results(MoeShape(total // k, k, h, num_rows), tokens, indices)
+    permuted, inverse = outputs(out, written(results), tokens.device)
     if total == 0:
         return permuted, inverse
     keys, first = carve(workspace, tokens.device, _specs(indices))
@@ -111,7 +123,8 @@ def moe_token_permute_grad(grad: Tensor, sorted_indices: Tensor, num_topk: int, 
     rows, h = grad.shape
     total = sorted_indices.numel()
     t = total // num_topk
-    out = outputs(out, [((t, h), grad.dtype)], grad.device)[0]
+    results = moe_token_permute_grad_results(MoeShape(t, num_topk, h, rows), grad, sorted_indices, num_topk)
+    out = outputs(out, written(results), grad.device)[0]
     if t and h:
         block_t, block_h, warps = moe_blocks(h, block_h)
         launch(moe_token_permute_grad_kernel, (triton.cdiv(t, block_t), triton.cdiv(h, block_h)), grad,
@@ -140,7 +153,8 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     rows, h = permuted_tokens.shape
     k = 1 if probs is None else probs.shape[1]
     t = sorted_indices.numel() // k
-    out = outputs(out, [((t, h), permuted_tokens.dtype)], permuted_tokens.device)[0]
+    results = moe_token_unpermute_results(MoeShape(t, k, h, rows), permuted_tokens, sorted_indices, probs)
+    out = outputs(out, written(results), permuted_tokens.device)[0]
     if t and h:
         block_t, block_h, warps = moe_blocks(h, block_h)
         weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs
@@ -173,11 +187,10 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
     t = grad_unpermuted.shape[0]
     k = 1 if probs is None else probs.shape[1]
     device = permuted_tokens.device
-    dx = outputs(None if out is None else out[0], [((rows, h), permuted_tokens.dtype)], device)[0]
-    if probs is None:
-        dp = permuted_tokens.new_empty(0)
-    else:
-        dp = outputs(None if out is None else out[1], [((t, k), probs.dtype)], device)[0]
+    dx_spec, dp_spec = written(moe_token_unpermute_grad_results(MoeShape(t, k, h, rows), permuted_tokens,
+                                                                grad_unpermuted, sorted_indices, probs))
+    dx = outputs(None if out is None else out[0], [dx_spec], device)[0]
+    dp = outputs(None if out is None or probs is None else out[1], [dp_spec], device)[0]  # no probs: out[1] unused
     if t:
         block_t, block_h, warps = moe_blocks(h, block_h)
         weights = probs.contiguous() if probs is not None else sorted_indices  # unread without probs

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from ...ops._direct import BODY, DirectOp, eager_path, own
 from ...ops._double import reference_derivative
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
-from . import contract, reference, spec
+from . import reference, spec
 from .contract import check_restore_shape
 
 
@@ -24,20 +24,9 @@ def _cpu():
     return cpu
 
 
-# What each op returns and what its backends take, declared once: the fake kernels, out= and the adapters follow
-# from these.
-def _permute_results(shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None,
-                     padded_mode: bool) -> list[Result]:
-    return [((shape.rows, shape.hidden), tokens.dtype, tokens), ((shape.tokens * shape.topk,), torch.int32, indices)]
-
-
+# What each op's backends take; its results are declared in the contract, beside the check.
 def _permute_views(shape, tokens: Tensor, indices: Tensor, num_out_tokens: int | None, padded_mode: bool) -> tuple:
     return tokens, indices, shape.rows
-
-
-def _permute_grad_results(shape, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
-                          padded_mode: bool) -> list[Result]:
-    return [((shape.tokens, shape.hidden), permuted_output_grad.dtype, permuted_output_grad)]
 
 
 def _permute_grad_views(shape, permuted_output_grad: Tensor, sorted_indices: Tensor, num_topk: int,
@@ -45,22 +34,9 @@ def _permute_grad_views(shape, permuted_output_grad: Tensor, sorted_indices: Ten
     return permuted_output_grad, sorted_indices, num_topk
 
 
-def _unpermute_results(shape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
-                       padded_mode: bool) -> list[Result]:
-    return [((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
-
-
 def _unpermute_views(shape, permuted_tokens: Tensor, sorted_indices: Tensor, probs: Tensor | None,
                      padded_mode: bool = False) -> tuple:
     return permuted_tokens, sorted_indices, probs
-
-
-def _unpermute_grad_results(shape, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
-                            probs: Tensor | None, padded_mode: bool) -> list[Result]:
-    """Without probs the probs gradient is an empty (0,) tensor of permuted_tokens' dtype (torch_npu's schema)."""
-    d_probs = ((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else \
-        ((shape.tokens, shape.topk), probs.dtype, probs)
-    return [((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens), d_probs]
 
 
 def _unpermute_grad_views(shape, permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -76,7 +52,7 @@ def _permute_grad_2d(fn, shape, permuted_output_grad: Tensor, sorted_indices: Te
     return own(fn(*_permute_grad_views(shape, permuted_output_grad, sorted_indices, num_topk), trusted=checked))
 
 
-plan_moe_token_permute_grad = Planner(spec.MOE_TOKEN_PERMUTE_GRAD, contract.check_moe_token_permute_grad,
+plan_moe_token_permute_grad = Planner(spec.MOE_TOKEN_PERMUTE_GRAD,
                                       adapter=_permute_grad_2d, program=lambda: _cpu().program_moe_token_permute_grad)
 
 
@@ -87,7 +63,7 @@ def _moe_token_permute_grad_body(permuted_output_grad: Tensor, sorted_indices: T
 
 
 _moe_token_permute_grad = DirectOp(spec.MOE_TOKEN_PERMUTE_GRAD, _moe_token_permute_grad_body,
-                                   plan_moe_token_permute_grad, _permute_grad_results)
+                                   plan_moe_token_permute_grad)
 # Linear in the gradient: its derivative (a second backward of moe_token_permute) is the reference's.
 _backward_of, _setup_of = reference_derivative(
     lambda grad, indices, topk, padded_mode, compute: reference.moe_token_permute_grad(grad, indices, topk, compute))
@@ -99,7 +75,7 @@ def _permute_2d(fn, shape, tokens: Tensor, indices: Tensor, num_out_tokens: int 
     return own(*fn(*_permute_views(shape, tokens, indices, num_out_tokens, padded_mode)))
 
 
-plan_moe_token_permute = Planner(spec.MOE_TOKEN_PERMUTE, contract.check_moe_token_permute, adapter=_permute_2d,
+plan_moe_token_permute = Planner(spec.MOE_TOKEN_PERMUTE, adapter=_permute_2d,
                                  program=lambda: _cpu().program_moe_token_permute)
 
 
@@ -110,7 +86,7 @@ def _moe_token_permute_body(tokens: Tensor, indices: Tensor, num_out_tokens: int
 
 
 _moe_token_permute = DirectOp(spec.MOE_TOKEN_PERMUTE, _moe_token_permute_body,
-                              plan_moe_token_permute, _permute_results)
+                              plan_moe_token_permute)
 
 
 def _setup(ctx, inputs, output):
@@ -160,7 +136,7 @@ def moe_token_permute(tokens: Tensor, indices: Tensor, num_out_tokens: int | Non
     if out is not None:
         if _moe_token_permute.direct_into(out, tokens, indices, num_out_tokens, padded_mode):  # DirectOp.direct_into
             return tuple(out)
-        return into("moe_token_permute", plan_moe_token_permute, _permute_results, ("tokens", "indices"),
+        return into(spec.MOE_TOKEN_PERMUTE, plan_moe_token_permute, ("tokens", "indices"),
                     (tokens, indices, num_out_tokens, padded_mode), out, (0,), views=_permute_views)
     return _moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
@@ -186,7 +162,7 @@ def moe_token_permute_grad(permuted_output_grad: Tensor, sorted_indices: Tensor,
     if out is not None:
         if _moe_token_permute_grad.direct_into(out, permuted_output_grad, sorted_indices, num_topk, padded_mode):
             return out
-        return into("moe_token_permute_grad", plan_moe_token_permute_grad, _permute_grad_results,
+        return into(spec.MOE_TOKEN_PERMUTE_GRAD, plan_moe_token_permute_grad,
                     ("permuted_output_grad", "sorted_indices"), (permuted_output_grad, sorted_indices, num_topk,
                                                                  padded_mode), out, views=_permute_grad_views)[0]
     return _moe_token_permute_grad(permuted_output_grad, sorted_indices, num_topk, padded_mode)
@@ -198,7 +174,7 @@ def _unpermute_2d(fn, shape, permuted_tokens: Tensor, sorted_indices: Tensor, pr
     return own(fn(*_unpermute_views(shape, permuted_tokens, sorted_indices, probs)))  # it checks the permutation
 
 
-plan_moe_token_unpermute = Planner(spec.MOE_TOKEN_UNPERMUTE, contract.check_moe_token_unpermute, adapter=_unpermute_2d,
+plan_moe_token_unpermute = Planner(spec.MOE_TOKEN_UNPERMUTE, adapter=_unpermute_2d,
                                    program=lambda: _cpu().program_moe_token_unpermute)
 
 
@@ -209,7 +185,7 @@ def _moe_token_unpermute_body(permuted_tokens: Tensor, sorted_indices: Tensor, p
 
 
 _moe_token_unpermute = DirectOp(spec.MOE_TOKEN_UNPERMUTE, _moe_token_unpermute_body,
-                                plan_moe_token_unpermute, _unpermute_results)
+                                plan_moe_token_unpermute)
 
 
 def _moe_token_unpermute_grad_body(permuted_tokens: Tensor, grad_unpermuted: Tensor, sorted_indices: Tensor,
@@ -226,13 +202,13 @@ def _unpermute_grad_2d(fn, shape, permuted_tokens: Tensor, grad_unpermuted: Tens
                    trusted=trusted))
 
 
-plan_moe_token_unpermute_grad = Planner(spec.MOE_TOKEN_UNPERMUTE_GRAD, contract.check_moe_token_unpermute_grad,
+plan_moe_token_unpermute_grad = Planner(spec.MOE_TOKEN_UNPERMUTE_GRAD,
                                         adapter=_unpermute_grad_2d,
                                         program=lambda: _cpu().program_moe_token_unpermute_grad)
 
 
 _moe_token_unpermute_grad = DirectOp(spec.MOE_TOKEN_UNPERMUTE_GRAD, _moe_token_unpermute_grad_body,
-                                     plan_moe_token_unpermute_grad, _unpermute_grad_results)
+                                     plan_moe_token_unpermute_grad)
 # Linear in the gradient and in each of permuted_tokens and probs: the derivative is the reference's.
 _backward_of, _setup_of = reference_derivative(
     lambda permuted, grad, indices, probs, padded_mode, compute:
@@ -301,7 +277,7 @@ def moe_token_unpermute(permuted_tokens: Tensor, sorted_indices: Tensor, probs: 
     if out is not None:
         if _moe_token_unpermute.direct_into(out, permuted_tokens, sorted_indices, probs, padded_mode):
             return out
-        return into("moe_token_unpermute", plan_moe_token_unpermute, _unpermute_results,
+        return into(spec.MOE_TOKEN_UNPERMUTE, plan_moe_token_unpermute,
                     ("permuted_tokens", "sorted_indices", "probs"), (permuted_tokens, sorted_indices, probs,
                                                                      padded_mode), out, (0, 2),
                     views=_unpermute_views)[0]
@@ -335,7 +311,7 @@ def moe_token_unpermute_grad(permuted_tokens: Tensor, grad_unpermuted: Tensor, s
         if _moe_token_unpermute_grad.direct_into(out, permuted_tokens, grad_unpermuted, sorted_indices, probs,
                                                  padded_mode):
             return tuple(out)
-        return into("moe_token_unpermute_grad", plan_moe_token_unpermute_grad, _unpermute_grad_results,
+        return into(spec.MOE_TOKEN_UNPERMUTE_GRAD, plan_moe_token_unpermute_grad,
                     ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs"),
                     (permuted_tokens, grad_unpermuted, sorted_indices, probs, padded_mode), out,
                     views=_unpermute_grad_views)

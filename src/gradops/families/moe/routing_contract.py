@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from ...contract._common import (
+    Result,
     fail,
     floats,
     require_dtype,
@@ -50,6 +51,44 @@ class RouteShape(NamedTuple):
     hidden: int   # H
     rows: int     # A: permuted rows
     per: int      # K (slots per token, drop_and_pad=False) or C (rows per expert, drop_and_pad=True)
+
+
+# What each op returns, declared once (see gradops.contract._common.Result).
+def moe_token_permute_with_routing_map_results(shape: RouteShape, tokens, routing_map, probs=None,
+                                               num_out_tokens=None, drop_and_pad=False) -> list[Result]:
+    """``(permuted (A, H) in tokens' dtype, permuted_probs (A,) in probs' dtype, sorted_indices int32)``;
+    permuted_probs an empty (0,) tensor of tokens' dtype without probs."""
+    slots = shape.per * (shape.experts if drop_and_pad else shape.tokens)
+    return [Result((shape.rows, shape.hidden), tokens.dtype, tokens),
+            Result((0,), tokens.dtype, tokens) if probs is None else Result((shape.rows,), probs.dtype, probs),
+            Result((slots,), torch.int32, routing_map)]
+
+
+def moe_token_permute_with_routing_map_grad_results(shape: RouteShape, permuted_tokens_grad, permuted_probs_grad,
+                                                    sorted_indices, routing_map, num_experts, num_tokens,
+                                                    drop_and_pad=False) -> list[Result]:
+    """``(tokens_grad (T, H) in the gradient's dtype, probs_grad (T, E))``; probs_grad an empty (0,) tensor of the
+    gradient's dtype without permuted_probs_grad."""
+    grad, grad_probs = permuted_tokens_grad, permuted_probs_grad
+    return [Result((shape.tokens, shape.hidden), grad.dtype, grad),
+            Result((0,), grad.dtype, grad) if grad_probs is None else
+            Result((shape.tokens, num_experts), grad_probs.dtype, grad_probs)]
+
+
+def moe_token_unpermute_with_routing_map_results(shape: RouteShape, permuted_tokens, sorted_indices, restore_shape,
+                                                 probs=None, routing_map=None, drop_and_pad=False) -> list[Result]:
+    """``out (T, H)`` in permuted_tokens' dtype."""
+    return [Result((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
+
+
+def moe_token_unpermute_with_routing_map_grad_results(shape: RouteShape, permuted_tokens, grad_unpermuted,
+                                                      sorted_indices, probs=None, routing_map=None,
+                                                      drop_and_pad=False) -> list[Result]:
+    """``(grad_permuted (A, H) in permuted_tokens' dtype, grad_probs (T, E) in probs' dtype)``; grad_probs an empty
+    (0,) tensor of permuted_tokens' dtype without probs."""
+    return [Result((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens),
+            Result((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else
+            Result((shape.tokens, shape.experts), probs.dtype, probs)]
 
 
 def _bool(op: str, name: str, value: object) -> None:

@@ -15,9 +15,8 @@ from torch import Tensor
 
 from ...ops._direct import DirectOp, own
 from ...ops._double import reference_derivative
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
-from . import routing_contract as contract
 from . import routing_reference as reference
 from . import routing_spec as spec
 
@@ -36,45 +35,18 @@ def _run(fn, shape, *args):
 
 
 plan_moe_token_permute_with_routing_map = Planner(
-    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, contract.check_moe_token_permute_with_routing_map, adapter=_run,
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, adapter=_run,
     program=lambda: _cpu().program_moe_token_permute_with_routing_map)
 plan_moe_token_permute_with_routing_map_grad = Planner(
-    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, contract.check_moe_token_permute_with_routing_map_grad,
+    spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD,
     adapter=_run, program=lambda: _cpu().program_moe_token_permute_with_routing_map_grad)
 plan_moe_token_unpermute_with_routing_map = Planner(
-    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP, contract.check_moe_token_unpermute_with_routing_map,
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,
     adapter=lambda fn, shape, *args: own(fn(*args)),
     program=lambda: _cpu().program_moe_token_unpermute_with_routing_map)
 plan_moe_token_unpermute_with_routing_map_grad = Planner(
-    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD, contract.check_moe_token_unpermute_with_routing_map_grad,
+    spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD,
     adapter=_run, program=lambda: _cpu().program_moe_token_unpermute_with_routing_map_grad)
-
-
-# What each op returns, declared once: its fake kernel and its out= are made from these (ops/_out.py).
-def _permute_results(shape, tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> list[Result]:
-    slots = shape.per * (shape.experts if drop_and_pad else shape.tokens)
-    return [((shape.rows, shape.hidden), tokens.dtype, tokens),
-            ((0,), tokens.dtype, tokens) if probs is None else ((shape.rows,), probs.dtype, probs),
-            ((slots,), torch.int32, routing_map)]
-
-
-def _permute_grad_results(shape, grad, grad_probs, sorted_indices, routing_map, num_experts, num_tokens,
-                          drop_and_pad) -> list[Result]:
-    return [((shape.tokens, shape.hidden), grad.dtype, grad),
-            ((0,), grad.dtype, grad) if grad_probs is None else ((shape.tokens, num_experts), grad_probs.dtype,
-                                                                 grad_probs)]
-
-
-def _unpermute_results(shape, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
-                       drop_and_pad) -> list[Result]:
-    return [((shape.tokens, shape.hidden), permuted_tokens.dtype, permuted_tokens)]
-
-
-def _unpermute_grad_results(shape, permuted_tokens, grad_unpermuted, sorted_indices, probs, routing_map,
-                            drop_and_pad) -> list[Result]:
-    return [((shape.rows, shape.hidden), permuted_tokens.dtype, permuted_tokens),
-            ((0,), permuted_tokens.dtype, permuted_tokens) if probs is None else
-            ((shape.tokens, shape.experts), probs.dtype, probs)]
 
 
 # ---------------------------------------------------------------- permute
@@ -87,7 +59,7 @@ def _moe_token_permute_with_routing_map_body(tokens: Tensor, routing_map: Tensor
 
 _moe_token_permute_with_routing_map = DirectOp(
     spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, _moe_token_permute_with_routing_map_body,
-    plan_moe_token_permute_with_routing_map, _permute_results)
+    plan_moe_token_permute_with_routing_map)
 
 
 def _permute_setup(ctx, inputs, output):
@@ -127,7 +99,7 @@ def _moe_token_permute_with_routing_map_grad_body(permuted_tokens_grad: Tensor, 
 
 _moe_token_permute_with_routing_map_grad = DirectOp(
     spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, _moe_token_permute_with_routing_map_grad_body,
-    plan_moe_token_permute_with_routing_map_grad, _permute_grad_results)
+    plan_moe_token_permute_with_routing_map_grad)
 _backward_of, _setup_of = reference_derivative(reference.moe_token_permute_with_routing_map_grad)
 _moe_token_permute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
@@ -143,7 +115,7 @@ def _moe_token_unpermute_with_routing_map_body(permuted_tokens: Tensor, sorted_i
 
 _moe_token_unpermute_with_routing_map = DirectOp(
     spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP, _moe_token_unpermute_with_routing_map_body,
-    plan_moe_token_unpermute_with_routing_map, _unpermute_results)
+    plan_moe_token_unpermute_with_routing_map)
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -180,7 +152,7 @@ def _moe_token_unpermute_with_routing_map_grad_body(permuted_tokens: Tensor, gra
 
 _moe_token_unpermute_with_routing_map_grad = DirectOp(
     spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD, _moe_token_unpermute_with_routing_map_grad_body,
-    plan_moe_token_unpermute_with_routing_map_grad, _unpermute_grad_results)
+    plan_moe_token_unpermute_with_routing_map_grad)
 _backward_of, _setup_of = reference_derivative(reference.moe_token_unpermute_with_routing_map_grad)
 _moe_token_unpermute_with_routing_map_grad.register_autograd(_backward_of, setup_context=_setup_of)
 
@@ -224,7 +196,7 @@ def moe_token_permute_with_routing_map(tokens: Tensor, routing_map: Tensor, prob
     if out is not None:
         if _moe_token_permute_with_routing_map.direct_into(out, *args):  # DirectOp.direct_into
             return tuple(out)
-        written = into("moe_token_permute_with_routing_map", plan_moe_token_permute_with_routing_map, _permute_results,
+        written = into(spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, plan_moe_token_permute_with_routing_map,
                        ("tokens", "routing_map", "probs"), args, out, differentiable=(0, 2))
         return written
     return _moe_token_permute_with_routing_map(*args)
@@ -257,9 +229,8 @@ def moe_token_permute_with_routing_map_grad(permuted_tokens_grad: Tensor, permut
     if out is not None:
         if _moe_token_permute_with_routing_map_grad.direct_into(out, *args):
             return tuple(out)
-        return into("moe_token_permute_with_routing_map_grad", plan_moe_token_permute_with_routing_map_grad,
-                    _permute_grad_results, ("permuted_tokens_grad", "permuted_probs_grad", "sorted_indices",
-                                            "routing_map"), args, out)
+        return into(spec.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, plan_moe_token_permute_with_routing_map_grad,
+                    ("permuted_tokens_grad", "permuted_probs_grad", "sorted_indices", "routing_map"), args, out)
     return _moe_token_permute_with_routing_map_grad(*args)
 
 
@@ -290,9 +261,9 @@ def moe_token_unpermute_with_routing_map(permuted_tokens: Tensor, sorted_indices
     if out is not None:
         if _moe_token_unpermute_with_routing_map.direct_into(out, *args):
             return out
-        return into("moe_token_unpermute_with_routing_map", plan_moe_token_unpermute_with_routing_map,
-                    _unpermute_results, ("permuted_tokens", "sorted_indices", "restore_shape", "probs",
-                                         "routing_map"), args, out, differentiable=(0, 3))[0]
+        return into(spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP, plan_moe_token_unpermute_with_routing_map,
+                    ("permuted_tokens", "sorted_indices", "restore_shape", "probs", "routing_map"), args, out,
+                    differentiable=(0, 3))[0]
     return _moe_token_unpermute_with_routing_map(*args)
 
 
@@ -315,7 +286,6 @@ def moe_token_unpermute_with_routing_map_grad(permuted_tokens: Tensor, grad_unpe
     if out is not None:
         if _moe_token_unpermute_with_routing_map_grad.direct_into(out, *args):
             return tuple(out)
-        return into("moe_token_unpermute_with_routing_map_grad", plan_moe_token_unpermute_with_routing_map_grad,
-                    _unpermute_grad_results, ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs",
-                                              "routing_map"), args, out)
+        return into(spec.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD, plan_moe_token_unpermute_with_routing_map_grad,
+                    ("permuted_tokens", "grad_unpermuted", "sorted_indices", "probs", "routing_map"), args, out)
     return _moe_token_unpermute_with_routing_map_grad(*args)

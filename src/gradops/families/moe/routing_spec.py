@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, provided
-from . import routing_reference
+from . import routing_contract, routing_reference
 from . import routing_reference as reference
 
 #: Experts in the examples, and the experts per token (Mixtral's 8 and top-2).
@@ -249,6 +249,8 @@ SPECS = (
            golden=Golden(("permuted_tokens", "permuted_probs", "sorted_indices"), _OPTIONS,
                          _golden_inputs("moe_token_permute_with_routing_map"), oracle=_permute_oracle, views=False),
            sharding=_permute_rule, cann_args={"probs": "probsOptional"},
+           check=routing_contract.check_moe_token_permute_with_routing_map,
+           results=routing_contract.moe_token_permute_with_routing_map_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP)),
     OpSpec("moe_token_permute_with_routing_map_grad", "aclnnMoeTokenPermuteWithRoutingMapGrad", True,
            example=_example("moe_token_permute_with_routing_map_grad"),
@@ -258,6 +260,8 @@ SPECS = (
            cann_args={"permuted_tokens_grad": "permutedTokenOutputGrad",
                       "permuted_probs_grad": "permutedProbsOutputGradOptional", "routing_map": "routingMapOptional",
                       "num_tokens": "tokensNum"},
+           check=routing_contract.check_moe_token_permute_with_routing_map_grad,
+           results=routing_contract.moe_token_permute_with_routing_map_grad_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD)),
     OpSpec("moe_token_unpermute_with_routing_map", "aclnnMoeTokenUnpermuteWithRoutingMap", False,
            example=_example("moe_token_unpermute_with_routing_map"),
@@ -266,6 +270,8 @@ SPECS = (
            sharding=_unpermute_rule,
            cann_args={"probs": "probsOptional", "routing_map": "routingMapOptional", "drop_and_pad": "paddedMode",
                       "restore_shape": "restoreShapeOptional"},
+           check=routing_contract.check_moe_token_unpermute_with_routing_map,
+           results=routing_contract.moe_token_unpermute_with_routing_map_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP)),
     OpSpec("moe_token_unpermute_with_routing_map_grad", "aclnnMoeTokenUnpermuteWithRoutingMapGrad", True,
            example=_example("moe_token_unpermute_with_routing_map_grad"),
@@ -275,6 +281,8 @@ SPECS = (
            cann_args={"grad_unpermuted": "unpermutedTokensGrad", "sorted_indices": "outIndex",
                       "permuted_tokens": "permutedTokensOptional", "probs": "probsOptional",
                       "routing_map": "routingMapOptional"},
+           check=routing_contract.check_moe_token_unpermute_with_routing_map_grad,
+           results=routing_contract.moe_token_unpermute_with_routing_map_grad_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD)),
 )
 (MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,

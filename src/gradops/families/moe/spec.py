@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, provided
-from . import reference
+from . import contract, reference
 
 #: Experts per token in the examples (Mixtral's top-2).
 TOP_K = 2
@@ -195,14 +195,17 @@ SPECS = (
                          _golden_inputs("moe_token_permute"), oracle=_permute_oracle, index_dtypes=("int64", "int32"),
                          views=False),
            sharding=_permute_rule,
+           check=contract.check_moe_token_permute, results=contract.moe_token_permute_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE)),
     OpSpec("moe_token_permute_grad", "aclnnMoeTokenPermuteGrad", True, example=_example("moe_token_permute_grad"),
            golden=Golden(("out",), _MOE_OPTIONS, _golden_inputs("moe_token_permute_grad"), views=False),
            timing=PERMUTE_GRAD, sharding=_permute_grad_rule, cann_args={"padded_mode": "paddedModeOptional"},
+           check=contract.check_moe_token_permute_grad, results=contract.moe_token_permute_grad_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_PERMUTE_GRAD)),
     OpSpec("moe_token_unpermute", "aclnnMoeTokenUnpermute", False, example=_example("moe_token_unpermute"),
            golden=Golden(("out",), _MOE_OPTIONS, _golden_inputs("moe_token_unpermute"), views=False),
            sharding=_unpermute_rule, cann_args={"probs": "probsOptional"},
+           check=contract.check_moe_token_unpermute, results=contract.moe_token_unpermute_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE)),
     OpSpec("moe_token_unpermute_grad", "aclnnMoeTokenUnpermuteGrad", True,
            example=_example("moe_token_unpermute_grad"),
@@ -211,6 +214,7 @@ SPECS = (
            timing=UNPERMUTE_GRAD, sharding=_unpermute_grad_rule,
            cann_args={"permuted_tokens": "permutedTokensOptional", "grad_unpermuted": "unpermutedTokensGrad",
                       "probs": "probsOptional"},
+           check=contract.check_moe_token_unpermute_grad, results=contract.moe_token_unpermute_grad_results,
            providers=provided(_BACKENDS, lambda m: m.MOE_TOKEN_UNPERMUTE_GRAD)),
 )
 MOE_TOKEN_PERMUTE, MOE_TOKEN_PERMUTE_GRAD, MOE_TOKEN_UNPERMUTE, MOE_TOKEN_UNPERMUTE_GRAD = SPECS

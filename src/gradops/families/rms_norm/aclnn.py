@@ -41,7 +41,7 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
         return impl(*args(), **kw)
 
     return prepare("rms_norm_grad", x.device, called.backend, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
-                   {"dxOut": (rows, cols), "dgammaOut": (cols,)},
+                   plan_rms_norm_grad.spec.results(called.shape, dy, x, rstd, gamma),
                    inputs={"dy": dy, "x": x, "rstd": rstd, "gamma": gamma})
 
 
@@ -75,7 +75,7 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
         return impl(*args(), **kw)
 
     return prepare("rms_norm", x.device, called.backend, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
-                   {"yOut": (rows, cols), "rstdOut": (rows,)}, inputs={"x": x, "gamma": gamma})
+                   plan_rms_norm.spec.results(called.shape, x, gamma, epsilon), inputs={"x": x, "gamma": gamma})
 
 
 def aclnnRmsNorm(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from ...contract._common import (
     MAX_RANK,
+    Result,
     accumulator,
     dtype_name,
     dtypes_text,
@@ -50,6 +51,22 @@ class RmsNormShape(NamedTuple):
     rstd_shape: tuple[int, ...]  # the keepdim shape the forward returns: x.shape[:k] + (1,) * gamma.dim()
 
 
+def rms_norm_results(shape: RmsNormShape, x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+                     ) -> list[Result]:
+    """RmsNorm's results: y of x's shape and dtype (written rows x cols), rstd in the accumulator dtype (float32;
+    float64 beside float64 x) of the keepdim shape ``shape.rstd_shape`` (written as rows)."""
+    return [Result(x.shape, x.dtype, x, (shape.rows, shape.cols)),
+            Result(shape.rstd_shape, accumulator(x.dtype), x, (shape.rows,))]
+
+
+def rms_norm_grad_results(shape: RmsNormShape, dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                          gamma: torch.Tensor) -> list[Result]:
+    """RmsNormGrad's results: dx of dy's shape and dtype (written rows x cols), dgamma in the accumulator dtype of
+    gamma's shape (written as cols)."""
+    return [Result(dy.shape, dy.dtype, dy, (shape.rows, shape.cols)),
+            Result(gamma.shape, accumulator(dy.dtype), gamma, (shape.cols,))]
+
+
 def _check_gamma_dtype(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
     """After x's dtype passed its surface's check: float64 x reaches here on the PyTorch API only."""
     if (x.dtype, gamma.dtype) not in TORCH_DTYPE_TABLE:
@@ -58,7 +75,8 @@ def _check_gamma_dtype(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
                    dtype_name(gamma.dtype))
 
 
-def _shape(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormShape:
+def shape_of(x: torch.Tensor, gamma: torch.Tensor) -> RmsNormShape:
+    """The view of a call on x and gamma (checked): also the backends' own, on 2-D x and 1-D gamma."""
     k = x.dim() - gamma.dim()
     return RmsNormShape(numel(x.shape[:k]), numel(gamma.shape), tuple(x.shape[:k]) + (1,) * gamma.dim())
 
@@ -90,7 +108,7 @@ def check_rms_norm(x, gamma, epsilon: float = 1e-6, *, y=None, rstd=None, cann: 
         require_same_dtype(op, "yOut", y, "x", x)
         require_dtype(op, "rstdOut", rstd, (torch.float32,))
     _check_gamma_shape(op, x, gamma, INVALID)
-    shape = _shape(x, gamma)
+    shape = shape_of(x, gamma)
     if cann:
         require_shape(op, "yOut", y, x.shape)
         if tuple(rstd.shape) not in (shape.rstd_shape, tuple(x.shape[: x.dim() - gamma.dim()])):
@@ -134,7 +152,7 @@ def check_rms_norm_grad(dy, x, rstd, gamma, *, dx=None, dgamma=None, cann: bool 
     _check_ranks(op, x, gamma, TILING)
     require_shape(op, "dy", dy, x.shape, "the shape of x", TILING)
     _check_gamma_trailing(op, x, gamma, TILING)
-    shape = _shape(x, gamma)
+    shape = shape_of(x, gamma)
     _check_rstd_shape(op, x, rstd, x.dim() - gamma.dim(), shape.rows)
     if cann:
         require_shape(op, "dxOut", dx, dy.shape, "the shape of dy", TILING)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...cpu import _pool
-from ...cpu._host import dense, finish, kernel, output, row_blocks
+from ...contract._common import Outputs, written
+from ...cpu._host import allocate, dense, finish, kernel, output, row_blocks
 from ...cpu.programs import Program, arg
 from ...spec import Impl
-from .contract import RmsNormShape
+from .contract import RmsNormShape, rms_norm_grad_results, rms_norm_results, shape_of
 
 
 def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Tensor, m: int, n: int) -> None:
@@ -27,17 +27,17 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
              ) -> tuple[Tensor, Tensor]:
     """``(y[M,N] x.dtype, rstd[M] fp32)`` of the 2-D view ``x``; ``out`` = preallocated ``(y, rstd)``."""
     m, n = x.shape
-    y = output(out[0] if out else None, (m, n), x.dtype)
-    rstd = output(out[1] if out else None, (m,), torch.float32)
+    y_spec, rstd_spec = written(rms_norm_results(shape_of(x, gamma), x, gamma, epsilon))
+    y, rstd = output(out[0] if out else None, *y_spec), output(out[1] if out else None, *rstd_spec)
     _rms_norm_run(x, gamma, epsilon, y, rstd, m, n)
     return finish(y, out[0] if out else None), finish(rstd, out[1] if out else None)
 
 
-def rms_norm_shaped(shape: RmsNormShape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def rms_norm_shaped(outputs: Outputs, shape: RmsNormShape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor,
+                    Tensor]:
     """The op on x of any shape (``shape``: its rows x cols view, see :mod:`gradops.ops._plan`): ``y`` of x's
     shape, ``rstd`` float32 of ``shape.rstd_shape``."""
-    x = dense(x)
-    y, rstd = _pool.empty_like(x), _pool.empty(shape.rstd_shape, torch.float32)
+    y, rstd = allocate(outputs, (x, gamma, epsilon))
     _rms_norm_run(x, gamma, epsilon, y, rstd, shape.rows, shape.cols)
     return y, rstd
 
@@ -79,17 +79,16 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
         ``(dx, dgamma)``.
     """
     m, n = x.shape
-    dx = output(out[0] if out else None, (m, n), dy.dtype)
-    dgamma = output(out[1] if out else None, (n,), torch.float32)
+    dx_spec, dgamma_spec = written(rms_norm_grad_results(shape_of(x, gamma), dy, x, rstd, gamma))
+    dx, dgamma = output(out[0] if out else None, *dx_spec), output(out[1] if out else None, *dgamma_spec)
     _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, m, n, workspace)
     return finish(dx, out[0] if out else None), finish(dgamma, out[1] if out else None)
 
 
-def rms_norm_grad_shaped(shape: RmsNormShape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor
+def rms_norm_grad_shaped(outputs: Outputs, shape: RmsNormShape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor
                          ) -> tuple[Tensor, Tensor]:
     """The op on its own shapes (see :func:`rms_norm_shaped`): dx of dy's shape, dgamma float32 of gamma's."""
-    dy = dense(dy)
-    dx, dgamma = _pool.empty_like(dy), _pool.empty(gamma.shape, torch.float32)
+    dx, dgamma = allocate(outputs, (dy, x, rstd, gamma))
     _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, shape.rows, shape.cols, None)
     return dx, dgamma
 
@@ -102,7 +101,7 @@ def program_rms_norm(shape, x, gamma, epsilon):
     if not m or not n:
         return None
     p = Program()
-    y, rstd = p.output(x.shape, x.dtype), p.output(shape.rstd_shape, torch.float32)
+    y, rstd = p.declared(rms_norm_results(shape, x, gamma, epsilon))
     p.kernel("rms_norm", [arg(0), arg(1)], [y, rstd], [m, n], [float(epsilon)])
     return p.returns(y, rstd)
 
@@ -112,7 +111,7 @@ def program_rms_norm_grad(shape, dy, x, rstd, gamma):
     if not m or not n or rstd.dtype != torch.float32:
         return None
     p = Program()
-    dx, dgamma = p.output(dy.shape, dy.dtype), p.output(gamma.shape, torch.float32)
+    dx, dgamma = p.declared(rms_norm_grad_results(shape, dy, x, rstd, gamma))
     p.kernel("rms_norm_grad", [arg(0), arg(1), arg(2), arg(3)], [dx, dgamma], [m, n])
     return p.returns(dx, dgamma)
 

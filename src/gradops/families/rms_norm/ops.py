@@ -7,12 +7,11 @@ import math
 import torch
 from torch import Tensor
 
-from ...contract._common import accumulator
 from ...ops._direct import DirectOp, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
-from . import contract, reference, spec
+from . import reference, spec
 
 
 def _cpu():
@@ -23,21 +22,11 @@ def _cpu():
     return cpu
 
 
-# What each op returns and what its backends take, declared once: the fake kernel, out= and the adapter below
-# follow from these. Every call pays one key and one lookup for its validation and backend (ops/_plan.py).
-def _grad_results(shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> list[Result]:
-    rows, cols, _ = shape
-    return [(dy.shape, dy.dtype, dy, (rows, cols)), (gamma.shape, accumulator(dy.dtype), gamma, (cols,))]
-
-
+# What each op's backends take (its results are declared in the contract, beside the check). Every call pays one
+# key and one lookup for its validation and backend (ops/_plan.py).
 def _grad_views(shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, ...]:
     rows, cols, _ = shape
     return fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,))
-
-
-def _results(shape, x: Tensor, gamma: Tensor, epsilon: float) -> list[Result]:
-    rows, cols, rstd_shape = shape
-    return [(x.shape, x.dtype, x, (rows, cols)), (rstd_shape, accumulator(x.dtype), x, (rows,))]
 
 
 def _views(shape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple:
@@ -50,7 +39,7 @@ def _rms_norm_grad_2d(fn, shape, dy: Tensor, x: Tensor, rstd: Tensor, gamma: Ten
     return own(fit(dx, x.shape), fit(dgamma, gamma.shape))
 
 
-plan_rms_norm_grad = Planner(spec.RMS_NORM_GRAD, contract.check_rms_norm_grad, adapter=_rms_norm_grad_2d,
+plan_rms_norm_grad = Planner(spec.RMS_NORM_GRAD, adapter=_rms_norm_grad_2d,
                              program=lambda: _cpu().program_rms_norm_grad)
 
 
@@ -59,7 +48,7 @@ def _rms_norm_grad_body(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> t
     return plan.run(plan.shape, dy, x, rstd, gamma)
 
 
-_rms_norm_grad = DirectOp(spec.RMS_NORM_GRAD, _rms_norm_grad_body, plan_rms_norm_grad, _grad_results)
+_rms_norm_grad = DirectOp(spec.RMS_NORM_GRAD, _rms_norm_grad_body, plan_rms_norm_grad)
 
 
 def _rms_norm_grad_formula(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,7 +74,7 @@ def _rms_norm_2d(fn, shape, x: Tensor, gamma: Tensor, epsilon: float) -> tuple[T
     return own(fit(y, x.shape), fit(rstd, shape.rstd_shape))
 
 
-plan_rms_norm = Planner(spec.RMS_NORM, contract.check_rms_norm, adapter=_rms_norm_2d,
+plan_rms_norm = Planner(spec.RMS_NORM, adapter=_rms_norm_2d,
                         program=lambda: _cpu().program_rms_norm)
 
 
@@ -94,7 +83,7 @@ def _rms_norm_body(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Te
     return plan.run(plan.shape, x, gamma, epsilon)
 
 
-_rms_norm = DirectOp(spec.RMS_NORM, _rms_norm_body, plan_rms_norm, _results)
+_rms_norm = DirectOp(spec.RMS_NORM, _rms_norm_body, plan_rms_norm)
 
 
 def _setup(ctx, inputs, output):
@@ -135,7 +124,7 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float = 1e-6, *, out: tuple[Tens
     if out is not None:
         if _rms_norm.direct_into(out, x, gamma, epsilon):  # the common out= call (see DirectOp.direct_into)
             return tuple(out)
-        return into("rms_norm", plan_rms_norm, _results, ("x", "gamma"), (x, gamma, epsilon), out, (0, 1),
+        return into(spec.RMS_NORM, plan_rms_norm, ("x", "gamma"), (x, gamma, epsilon), out, (0, 1),
                     views=_views, via=_rms_norm)
     return _rms_norm(x, gamma, epsilon)
 
@@ -167,6 +156,6 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
     if out is not None:
         if _rms_norm_grad.direct_into(out, dy, x, rstd, gamma):
             return tuple(out)
-        return into("rms_norm_grad", plan_rms_norm_grad, _grad_results, ("dy", "x", "rstd", "gamma"),
+        return into(spec.RMS_NORM_GRAD, plan_rms_norm_grad, ("dy", "x", "rstd", "gamma"),
                     (dy, x, rstd, gamma), out, views=_grad_views, via=_rms_norm_grad)
     return _rms_norm_grad(dy, x, rstd, gamma)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, provided, rows_shardable
-from . import reference
+from . import contract, reference
 
 EPS = 1e-6
 
@@ -132,12 +132,12 @@ _BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
 SPECS = (
     OpSpec("rms_norm", "aclnnRmsNorm", False, example=_rms_norm_example,
            golden=Golden(("y", "rstd"), ("epsilon", "gamma_dtype"), _golden_inputs("rms_norm"), peer=_rms_norm_peer),
-           sharding=_rms_norm_rule,
+           sharding=_rms_norm_rule, check=contract.check_rms_norm, results=contract.rms_norm_results,
            providers=provided(_BACKENDS, lambda m: m.RMS_NORM)),
     OpSpec("rms_norm_grad", "aclnnRmsNormGrad", True, example=_rms_norm_grad_example,
            golden=Golden(("dx", "dgamma"), ("rstd_form", "gamma_dtype"), _golden_inputs("rms_norm_grad"),
                          peer=_rms_norm_grad_peer),
-           timing=BENCH, sharding=_rms_norm_grad_rule,
-           providers=provided(_BACKENDS, lambda m: m.RMS_NORM_GRAD)),
+           timing=BENCH, sharding=_rms_norm_grad_rule, check=contract.check_rms_norm_grad,
+           results=contract.rms_norm_grad_results, providers=provided(_BACKENDS, lambda m: m.RMS_NORM_GRAD)),
 )
 RMS_NORM, RMS_NORM_GRAD = SPECS

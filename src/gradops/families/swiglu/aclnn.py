@@ -35,7 +35,7 @@ def aclnnSwiGluGetWorkspaceSize(x: Tensor, dim: int, out: Tensor) -> tuple[int, 
         return impl(x.reshape(rows, 2 * cols), -1, **kw)
 
     return prepare("swiglu", x.device, called.backend, (x.reshape(rows, 2 * cols), -1), compute, {"out": out},
-                   {"out": (rows, cols)}, inputs={"x": x})
+                   plan_swiglu.spec.results(called.shape, x, dim), inputs={"x": x})
 
 
 def aclnnSwiGlu(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
@@ -69,7 +69,7 @@ def aclnnSwiGluGradGetWorkspaceSize(yGrad: Tensor, x: Tensor, dim: int,
         return impl(*args(), **kw)
 
     return prepare("swiglu_grad", x.device, called.backend, args(), compute, {"out": out},
-                   {"out": (rows, 2 * cols)}, inputs={"yGrad": yGrad, "x": x})
+                   plan_swiglu_grad.spec.results(called.shape, yGrad, x, dim), inputs={"yGrad": yGrad, "x": x})
 
 
 def aclnnSwiGluGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ...contract._common import (
     MAX_RANK,
+    Result,
     fail,
     floats,
     numel,
@@ -38,6 +39,16 @@ class SwiGluShape(NamedTuple):
     cols: int
     dim: int  # the split dim, in [0, x.dim())
     out_shape: tuple[int, ...]  # y's shape: x's with dim halved
+
+
+def swiglu_results(shape: SwiGluShape, x, dim: int = -1) -> list[Result]:
+    """SwiGlu's result: y of x's shape with dim halved, x's dtype (written rows x cols)."""
+    return [Result(shape.out_shape, x.dtype, x, (shape.rows, shape.cols))]
+
+
+def swiglu_grad_results(shape: SwiGluShape, y_grad, x, dim: int = -1) -> list[Result]:
+    """SwiGluGrad's result: dx of x's shape and dtype (written rows x 2·cols)."""
+    return [Result(x.shape, x.dtype, x, (shape.rows, 2 * shape.cols))]
 
 
 def _split(op: str, x, dim) -> SwiGluShape:
@@ -94,9 +105,11 @@ def check_swiglu_grad(y_grad, x, dim: int = -1, *, out=None, cann: bool = False)
     return shape
 
 
-def on_view(x, dim: int) -> None:
+def on_view(x, dim: int) -> SwiGluShape:
     """What the backends' functions take: the 2-D view the call plan makes (:class:`SwiGluShape`), split along its
-    last dim (ValueError for anything else: a caller of the backends, not of the op, got it wrong)."""
+    last dim (ValueError for anything else: a caller of the backends, not of the op, got it wrong); its shape."""
     if x.dim() != 2 or dim not in (-1, 1):
         raise ValueError(f"the swiglu backends take x as a 2-D view split along its last dim, got {x.dim()}-D x "
                          f"and dim {dim}")
+    rows, cols = x.shape[0], x.shape[1] // 2
+    return SwiGluShape(rows, cols, 1, (rows, cols))

@@ -9,41 +9,41 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ...cpu import _pool
-from ...cpu._host import dense, finish, kernel, output
+from ...contract._common import Outputs, written
+from ...cpu._host import allocate, dense, finish, kernel, output
 from ...cpu.programs import Program, arg
 from ...spec import Impl
-from .contract import SwiGluShape, on_view
+from .contract import SwiGluShape, on_view, swiglu_grad_results, swiglu_results
 
 
 def swiglu(x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
     """``y[rows, cols]`` of the 2-D view ``x[rows, 2·cols]``; ``out``: a preallocated y."""
-    on_view(x, dim)
-    rows, cols = x.shape[0], x.shape[1] // 2
-    y = output(out, (rows, cols), x.dtype)
-    kernel("swiglu", (dense(x),), (y,), (rows, cols))
+    shape = on_view(x, dim)
+    (y_spec,) = written(swiglu_results(shape, x, dim))
+    y = output(out, *y_spec)
+    kernel("swiglu", (dense(x),), (y,), (shape.rows, shape.cols))
     return finish(y, out)
 
 
-def swiglu_shaped(shape: SwiGluShape, x: Tensor, dim: int) -> Tensor:
+def swiglu_shaped(outputs: Outputs, shape: SwiGluShape, x: Tensor, dim: int) -> Tensor:
     """The op on x of any shape (``shape``: its view, see :mod:`gradops.ops._plan`): y of ``shape.out_shape``."""
-    y = _pool.empty(shape.out_shape, x.dtype)
+    (y,) = allocate(outputs, (x, dim))
     kernel("swiglu", (dense(x),), (y,), (shape.rows, shape.cols))
     return y
 
 
 def swiglu_grad(y_grad: Tensor, x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
     """aclnnSwiGluGrad on the 2-D views: ``dx[rows, 2·cols]`` from ``y_grad[rows, cols]`` and ``x[rows, 2·cols]``."""
-    on_view(x, dim)
-    rows, cols = y_grad.shape
-    dx = output(out, tuple(x.shape), x.dtype)
-    kernel("swiglu_grad", (dense(y_grad), dense(x)), (dx,), (rows, cols))
+    shape = on_view(x, dim)
+    (dx_spec,) = written(swiglu_grad_results(shape, y_grad, x, dim))
+    dx = output(out, *dx_spec)
+    kernel("swiglu_grad", (dense(y_grad), dense(x)), (dx,), (shape.rows, shape.cols))
     return finish(dx, out)
 
 
-def swiglu_grad_shaped(shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int) -> Tensor:
+def swiglu_grad_shaped(outputs: Outputs, shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int) -> Tensor:
     """The op on its own shapes: dx of x's shape."""
-    dx = _pool.empty(x.shape, x.dtype)
+    (dx,) = allocate(outputs, (y_grad, x, dim))
     kernel("swiglu_grad", (dense(y_grad), dense(x)), (dx,), (shape.rows, shape.cols))
     return dx
 
@@ -55,7 +55,7 @@ def program_swiglu(shape: SwiGluShape, x: Tensor, dim: int) -> Program | None:
     if not shape.rows or not shape.cols:
         return None
     p = Program()
-    y = p.output(shape.out_shape, x.dtype)
+    (y,) = p.declared(swiglu_results(shape, x, dim))
     p.kernel("swiglu", [arg(0)], [y], [shape.rows, shape.cols])
     return p.returns(y)
 
@@ -64,7 +64,7 @@ def program_swiglu_grad(shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int)
     if not shape.rows or not shape.cols:
         return None
     p = Program()
-    dx = p.output(x.shape, x.dtype)
+    (dx,) = p.declared(swiglu_grad_results(shape, y_grad, x, dim))
     p.kernel("swiglu_grad", [arg(0), arg(1)], [dx], [shape.rows, shape.cols])
     return p.returns(dx)
 

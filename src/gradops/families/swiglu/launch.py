@@ -6,9 +6,10 @@ from __future__ import annotations
 import triton
 from torch import Tensor
 
+from ...contract._common import written
 from ...launch._common import launch, outputs
 from ...spec import Impl
-from .contract import on_view
+from .contract import on_view, swiglu_grad_results, swiglu_results
 from .kernels import BLOCK, WARPS, swiglu_grad_kernel, swiglu_kernel
 
 
@@ -19,11 +20,11 @@ def _rows(t: Tensor) -> Tensor:
 
 def swiglu(x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
     """``y[rows, cols] = silu(x[:, :cols]) * x[:, cols:]`` of the 2-D view ``x[rows, 2·cols]``."""
-    on_view(x, dim)
-    rows, cols = x.shape[0], x.shape[1] // 2
+    shape = on_view(x, dim)
+    cols = shape.cols
+    y = outputs(out, written(swiglu_results(shape, x, dim)), x.device)[0]
     x = _rows(x)
-    y = outputs(out, [((rows, cols), x.dtype)], x.device)[0]
-    n = rows * cols
+    n = shape.rows * cols
     if n:
         launch(swiglu_kernel, (triton.cdiv(n, BLOCK),), x, y, cols, n, x.stride(0), BLOCK=BLOCK, num_warps=WARPS)
     return y
@@ -31,11 +32,11 @@ def swiglu(x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
 
 def swiglu_grad(y_grad: Tensor, x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
     """aclnnSwiGluGrad on the 2-D views: ``dx[rows, 2·cols]`` (dA then dB in each row)."""
-    on_view(x, dim)
-    rows, cols = y_grad.shape
+    shape = on_view(x, dim)
+    cols = shape.cols
+    dx = outputs(out, written(swiglu_grad_results(shape, y_grad, x, dim)), x.device)[0]
     y_grad, x = _rows(y_grad), _rows(x)
-    dx = outputs(out, [((rows, 2 * cols), x.dtype)], x.device)[0]
-    n = rows * cols
+    n = shape.rows * cols
     if n:
         launch(swiglu_grad_kernel, (triton.cdiv(n, BLOCK),), y_grad, x, dx, cols, n, y_grad.stride(0), x.stride(0),
                BLOCK=BLOCK, num_warps=WARPS)

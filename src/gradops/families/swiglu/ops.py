@@ -7,7 +7,7 @@ from torch import Tensor
 from ... import native
 from ...ops._direct import DirectOp, fit, own
 from ...ops._double import compute_dtype, partial_vjp, save_inputs
-from ...ops._out import Result, into
+from ...ops._out import into
 from ...ops._plan import Planner
 from . import contract, reference, spec
 from .contract import SwiGluShape
@@ -21,18 +21,9 @@ def _cpu():
     return cpu
 
 
-# What each op returns and what its backends take, declared once: the fake kernel, out= and the adapters follow
-# from these.
-def _results(shape: SwiGluShape, x: Tensor, dim: int) -> list[Result]:
-    return [(shape.out_shape, x.dtype, x, (shape.rows, shape.cols))]
-
-
+# What each op's backends take (its results are declared in the contract, beside the check).
 def _views(shape: SwiGluShape, x: Tensor, dim: int) -> tuple[Tensor, int]:
     return fit(x, (shape.rows, 2 * shape.cols)), -1
-
-
-def _grad_results(shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int) -> list[Result]:
-    return [(x.shape, x.dtype, x, (shape.rows, 2 * shape.cols))]
 
 
 def _grad_views(shape: SwiGluShape, y_grad: Tensor, x: Tensor, dim: int) -> tuple[Tensor, Tensor, int]:
@@ -57,9 +48,9 @@ def _native_entry(choice, shape: SwiGluShape, x: Tensor, dim: int):
     return native.node(lambda ext: (ext.SWIGLU, ext.swiglu), _differentiable_backward)
 
 
-plan_swiglu = Planner(spec.SWIGLU, contract.check_swiglu, adapter=_swiglu_2d, native=_native_entry,
+plan_swiglu = Planner(spec.SWIGLU, adapter=_swiglu_2d, native=_native_entry,
                       program=lambda: _cpu().program_swiglu)
-plan_swiglu_grad = Planner(spec.SWIGLU_GRAD, contract.check_swiglu_grad, device_arg=1, adapter=_swiglu_grad_2d,
+plan_swiglu_grad = Planner(spec.SWIGLU_GRAD, device_arg=1, adapter=_swiglu_grad_2d,
                            program=lambda: _cpu().program_swiglu_grad)
 
 
@@ -68,7 +59,7 @@ def _swiglu_grad_body(y_grad: Tensor, x: Tensor, dim: int) -> Tensor:
     return plan.run(plan.shape, y_grad, x, dim)
 
 
-_swiglu_grad = DirectOp(spec.SWIGLU_GRAD, _swiglu_grad_body, plan_swiglu_grad, _grad_results)
+_swiglu_grad = DirectOp(spec.SWIGLU_GRAD, _swiglu_grad_body, plan_swiglu_grad)
 
 
 def _swiglu_grad_formula(y_grad: Tensor, x: Tensor, dim: int) -> tuple[Tensor]:
@@ -98,7 +89,7 @@ def _swiglu_body(x: Tensor, dim: int) -> Tensor:
     return plan.run(plan.shape, x, dim)
 
 
-_swiglu = DirectOp(spec.SWIGLU, _swiglu_body, plan_swiglu, _results, node=lambda ext: ext.swiglu_planned)
+_swiglu = DirectOp(spec.SWIGLU, _swiglu_body, plan_swiglu, node=lambda ext: ext.swiglu_planned)
 
 
 def _setup(ctx, inputs, output):
@@ -145,7 +136,7 @@ def swiglu(x: Tensor, dim: int = -1, *, out: Tensor | None = None) -> Tensor:
     if out is not None:
         if _swiglu.direct_into(out, x, dim):
             return out
-        return into("swiglu", plan_swiglu, _results, ("x",), (x, dim), out, (0,), views=_views, via=_swiglu)[0]
+        return into(spec.SWIGLU, plan_swiglu, ("x",), (x, dim), out, (0,), views=_views, via=_swiglu)[0]
     return _swiglu(x, dim)
 
 
@@ -167,6 +158,6 @@ def swiglu_grad(y_grad: Tensor, x: Tensor, dim: int = -1, *, out: Tensor | None 
     if out is not None:
         if _swiglu_grad.direct_into(out, y_grad, x, dim):
             return out
-        return into("swiglu_grad", plan_swiglu_grad, _grad_results, ("y_grad", "x"), (y_grad, x, dim), out,
+        return into(spec.SWIGLU_GRAD, plan_swiglu_grad, ("y_grad", "x"), (y_grad, x, dim), out,
                     views=_grad_views, via=_swiglu_grad)[0]
     return _swiglu_grad(y_grad, x, dim)

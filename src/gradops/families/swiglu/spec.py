@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ...spec import Bench, Example, Golden, OpSpec, Timed, autograd, optional, provided
-from . import reference
+from . import contract, reference
 
 
 def _silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -128,11 +128,12 @@ _BACKENDS = {"torch": lambda: reference, "cpu": _cpu, "triton": _triton}
 SPECS = (
     OpSpec("swiglu", "aclnnSwiGlu", False, example=_swiglu_example,
            golden=Golden(("out",), (), _golden_inputs("swiglu"), _oracle("swiglu"), _swiglu_peer, views=False),
-           sharding=_rule, providers=provided(_BACKENDS, lambda m: m.SWIGLU)),
+           sharding=_rule, check=contract.check_swiglu, results=contract.swiglu_results,
+           providers=provided(_BACKENDS, lambda m: m.SWIGLU)),
     OpSpec("swiglu_grad", "aclnnSwiGluGrad", True, example=_swiglu_grad_example,
            golden=Golden(("out",), (), _golden_inputs("swiglu_grad"), _oracle("swiglu_grad"), _swiglu_grad_peer,
                          views=False),
-           timing=BENCH, sharding=_grad_rule, cann_args={"y_grad": "yGrad"},
-           providers=provided(_BACKENDS, lambda m: m.SWIGLU_GRAD)),
+           timing=BENCH, sharding=_grad_rule, cann_args={"y_grad": "yGrad"}, check=contract.check_swiglu_grad,
+           results=contract.swiglu_grad_results, providers=provided(_BACKENDS, lambda m: m.SWIGLU_GRAD)),
 )
 SWIGLU, SWIGLU_GRAD = SPECS
