@@ -7,8 +7,9 @@ dtype), hyper-parameters (eps, padding_idx, ...), training flag and hooks are al
 two parents is swapped once. Subclasses of the torch classes (a model's own ``MyNorm(nn.LayerNorm)``) are left
 alone and reported, since their forward may differ. Hugging Face transformers' RMSNorm classes (their own
 classes, not ``torch.nn.RMSNorm``) are swapped when their code is the Llama, Gemma or GPT-OSS formula
-(:mod:`gradops.transformers`), and reported otherwise; their MoE experts modules are switched to the "gradops"
-experts implementation (a config setting, not a class swap: transformers dispatches on it).
+(:mod:`gradops.transformers`), and reported otherwise; so are their MLP classes whose forward is Llama's SwiGLU MLP
+(the gate on :func:`gradops.swiglu`); their MoE experts modules are switched to the "gradops" experts
+implementation (a config setting, not a class swap: transformers dispatches on it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _transformers_norm(cls: type) -> bool:
     return cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
 
 
+def _transformers_mlp(cls: type) -> bool:
+    """A Hugging Face transformers MLP class (gradops.transformers decides whether its forward is Llama's)."""
+    return cls.__name__.endswith("MLP") and cls.__module__.startswith("transformers.")
+
+
 def _transformers_experts(module: torch.nn.Module) -> bool:
     """A Hugging Face transformers MoE experts module (without importing transformers for other models)."""
     if not type(module).__module__.startswith("transformers."):
@@ -60,6 +66,19 @@ def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchRe
         return
     module.__class__ = target
     report.swapped.append((where, cls.__name__, hf.describe(module)))
+
+
+def _swap_transformers_mlp(module: torch.nn.Module, where: str, report: PatchReport) -> None:
+    from . import transformers as hf
+
+    cls = type(module)
+    target = hf.gradops_mlp_class(cls)
+    if target is None:
+        report.skipped.append((where, cls.__name__, "a transformers MLP whose forward is not Llama's "
+                                                    "down_proj(act_fn(gate_proj(x)) * up_proj(x)): left alone"))
+        return
+    module.__class__ = target
+    report.swapped.append((where, cls.__name__, hf.describe_mlp(module)))
 
 
 def _switch_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]], report: PatchReport) -> None:
@@ -152,6 +171,9 @@ def patch(model: torch.nn.Module, swaps: dict[type[torch.nn.Module], type[torch.
         target = table.get(cls)
         if target is None and swaps is None and _transformers_norm(cls):
             _swap_transformers_norm(module, where, report)
+            continue
+        if target is None and swaps is None and _transformers_mlp(cls):
+            _swap_transformers_mlp(module, where, report)
             continue
         if target is None and swaps is None and _transformers_experts(module):
             experts.append((where, module))

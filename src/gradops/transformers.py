@@ -1,14 +1,14 @@
-"""Hugging Face ``transformers`` models on gradops: the RMSNorm families and the MoE experts.
+"""Hugging Face ``transformers`` models on gradops: the RMSNorm families, the SwiGLU MLPs and the MoE experts.
 
 Two ways in (both need ``pip install 'transformers>=5.23,<5.25'``, the ``transformers`` extra; tested against
 transformers 5.23.0 and 5.24.0):
 
-- ``gradops.patch(model)`` on a model already built: swaps its norms in place (below) and switches its MoE
-  experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once), whose SiLU gate is
-  :func:`gradops.swiglu`;
-- ``gradops.transformers.register(norms=True)`` before ``from_pretrained`` / ``from_config``: the experts
-  implementation is then loadable by name (``experts_implementation="gradops"``) and transformers' own
-  patch mapping builds the norm classes as gradops' subclasses.
+- ``gradops.patch(model)`` on a model already built: swaps its norms and Llama-style MLPs in place (below) and
+  switches its MoE experts to the ``"gradops"`` experts implementation (:func:`register` runs first, once), whose
+  SiLU gate is :func:`gradops.swiglu`;
+- ``gradops.transformers.register(norms=True, mlps=True)`` before ``from_pretrained`` / ``from_config``: the
+  experts implementation is then loadable by name (``experts_implementation="gradops"``) and transformers' own
+  patch mapping builds the norm and MLP classes as gradops' subclasses.
 
 The norms: every transformers RMSNorm whose code is one of three formulas transformers uses is swapped,
 recognised by its code (an AST without comments, docstring or annotations, including the ``_norm`` helper some
@@ -27,6 +27,13 @@ half precision transformers rounds the normalised x to x's dtype and then multip
 rounding), where gradops, as CANN's RmsNorm, multiplies in float32 and rounds once: closer to the float64 result,
 not bitwise transformers'. A call whose dtypes CANN's table does not cover (float64, or for the Llama formula a
 float32 weight beside half x, where transformers' result is float32) runs transformers' own forward unchanged.
+
+The dense MLPs: every transformers MLP class whose forward is Llama's ``down_proj(act_fn(gate_proj(x)) *
+up_proj(x))`` (recognised by its code, as the norms) computes, where act_fn is SiLU and both projections are plain
+bias-free Linear layers, ``down_proj(swiglu(gate_up(x)))``: :func:`gate_up` writes the two projections into the
+two halves of one tensor, and :func:`gradops.swiglu` (aclnnSwiGlu, backward aclnnSwiGluGrad) gives ``silu(gate) *
+up`` from it in one pass, in float32, rounding once. Anything else (another activation, biases, LoRA or quantized
+layers, DTensor shards, dtypes outside CANN's) runs the class's own forward.
 
 The experts (:func:`experts_forward`): transformers' ``"grouped_mm"`` implementation with gradops' token
 movement: :func:`gradops.moe_token_permute` groups the token copies by expert (its backward is
@@ -163,6 +170,128 @@ def describe(module: torch.nn.Module) -> str:
     """The report detail of a swapped norm: its style, width and epsilon."""
     style = type(module).gradops_style  # type: ignore[attr-defined]
     return f"{style}-style, {tuple(module.weight.shape)}, eps={getattr(module, _EPS_ATTR[style])}"
+
+
+# ---------------------------------------------------------------- the dense SwiGLU MLP (Llama, Qwen2/3, Mistral, ...)
+#
+# transformers' Llama-style MLP computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: two matmuls, then SiLU
+# of the gate and the product, two elementwise passes whose backward autograd records as four more. gradops runs
+# the gate on aclnnSwiGlu, whose input is ONE tensor holding both halves: the two projections are written into the
+# two halves of one (..., 2I) tensor by two matmuls with the output's row stride (:func:`gate_up`: the same GEMMs,
+# no copy of x, of the weights or of the activations), then :func:`gradops.swiglu` (one pass forward, one fused
+# aclnnSwiGluGrad backward) gives ``silu(gate) * up``. Joining the weights instead (``cat([W_gate, W_up])`` per
+# forward) copies 2·I·H weights per call, more than the GEMM itself costs at small token counts; a fused gate_up
+# parameter would change the model's parameters and checkpoints.
+
+
+@torch.library.custom_op("gradops::gate_up", mutates_args=())
+def gate_up(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
+    """``[x @ gate_weight.T, x @ up_weight.T]`` along the last dim: x (..., H), the weights (I, H) -> (..., 2I), each
+    half written in place by its own matmul (torch.mm into a view with the result's row stride: BLAS's leading
+    dimension, no temporary)."""
+    rows = x.reshape(-1, x.shape[-1])
+    i = gate_weight.shape[0]
+    out = rows.new_empty((rows.shape[0], i + up_weight.shape[0]))
+    torch.mm(rows, gate_weight.t(), out=out[:, :i])
+    torch.mm(rows, up_weight.t(), out=out[:, i:])
+    return out.view(*x.shape[:-1], out.shape[1])
+
+
+@gate_up.register_fake
+def _gate_up_fake(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], gate_weight.shape[0] + up_weight.shape[0]))
+
+
+def _gate_up_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _gate_up_backward(ctx, grad: Tensor):
+    """dx = dG @ W_gate + dU @ W_up, dW_gate = dG^T @ x, dW_up = dU^T @ x, with [dG, dU] the halves of ``grad``
+    (views: the matmuls read them with their row stride)."""
+    x, gate_weight, up_weight = ctx.saved_tensors
+    rows = x.reshape(-1, x.shape[-1])
+    d = grad.reshape(-1, grad.shape[-1])
+    i = gate_weight.shape[0]
+    d_gate, d_up = d[:, :i], d[:, i:]
+    dx = d_gate_weight = d_up_weight = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.addmm(torch.mm(d_gate, gate_weight), d_up, up_weight).view(x.shape)
+    if ctx.needs_input_grad[1]:
+        d_gate_weight = torch.mm(d_gate.t(), rows)
+    if ctx.needs_input_grad[2]:
+        d_up_weight = torch.mm(d_up.t(), rows)
+    return dx, d_gate_weight, d_up_weight
+
+
+gate_up.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
+
+
+#: Rows x intermediate size from which an MLP call takes the fused gate. Below it the class's own forward runs: there
+#: the GEMMs into strided halves (10-25% slower in MKL at 64 x 128 x 344) and two custom ops' dispatch outweigh what
+#: the fused gate saves. Measured on the CPU (one thread, fwd + bwd of LlamaMLP, medians of 3 alternating runs,
+#: transformers / gradops): T x H x I = 16 x 64 x 128: 0.62x, 64 x 128 x 344: 0.81x, 128 x 256 x 1024: 0.95x,
+#: 256 x 256 x 688: 1.00x, 512 x 256 x 512: 0.99x, 1024 x 512 x 1408: 1.01x. Above it the call also keeps 2·T·I
+#: activations for its backward where transformers' keeps 3·T·I (gate, up and silu(gate)).
+FUSED_MIN_ITEMS = 1 << 20
+
+
+def _silu(act: object) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (torch.nn.SiLU, SiLUActivation))
+
+
+def _plain_linear(layer: object) -> bool:
+    """A torch Linear without bias over a plain weight (not a LoRA wrapper, a quantized layer or a DTensor shard,
+    whose forward is their own)."""
+    return type(layer) is torch.nn.Linear and layer.bias is None and type(layer.weight) is torch.nn.Parameter
+
+
+def _mlp_forward(self, x: Tensor) -> Tensor:
+    gate, up = self.gate_proj, self.up_proj
+    if not (_silu(self.act_fn) and _plain_linear(gate) and _plain_linear(up) and isinstance(x, Tensor)
+            and x.dim() >= 1 and gate.weight.shape == up.weight.shape
+            and x.numel() // max(x.shape[-1], 1) * gate.out_features >= FUSED_MIN_ITEMS):
+        return super(type(self), self).forward(x)
+    gate_weight, up_weight = gate.weight, up.weight
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # what F.linear would compute in: the autocast dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, gate_weight, up_weight = x.to(dtype), gate_weight.to(dtype), up_weight.to(dtype)
+    if x.dtype not in _FLOATS or gate_weight.dtype != x.dtype or up_weight.dtype != x.dtype:
+        return super(type(self), self).forward(x)
+    return self.down_proj(ops.swiglu(gate_up(x, gate_weight, up_weight), -1))
+
+@functools.cache
+def _mlp_template() -> str | None:
+    """The code of transformers' own Llama MLP forward (copied as is by Mistral, Qwen2/3, the MoE models' shared
+    and dense MLPs, ...)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    origin = next((c for c in LlamaMLP.__mro__ if c.__module__.startswith("transformers.")), None)
+    return None if origin is None else _shape_of(origin.forward)
+
+
+@functools.cache
+def gradops_mlp_class(cls: type) -> type | None:
+    """The in-place replacement of transformers MLP class ``cls`` (a subclass whose forward runs the gate on
+    :func:`gradops.swiglu`), or None when its forward is not Llama's ``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))``."""
+    if not cls.__module__.startswith("transformers."):
+        return None
+    template = _mlp_template()
+    if template is None or _shape_of(cls.forward) != template:
+        return None
+    return type(cls.__name__, (cls,), {"forward": _mlp_forward, "__module__": __name__, "gradops_style": "swiglu",
+                                       "__doc__": f"{cls.__name__} with its SiLU gate on gradops.swiglu."})
+
+
+def describe_mlp(module: torch.nn.Module) -> str:
+    """The report detail of a swapped MLP."""
+    gate = module.gate_proj
+    return f"swiglu gate, {gate.in_features} -> 2 x {gate.out_features}"
+
 
 
 def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
@@ -347,7 +476,22 @@ def norm_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
     return out
 
 
-def register(norms: bool | Iterable[str] = False) -> None:
+def mlp_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
+    """transformers MLP class name -> its gradops subclass, for every Llama-style MLP class defined in the modeling
+    modules of ``families`` (imported here)."""
+    import importlib
+
+    out = {}
+    for family in families:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name, cls in vars(module).items():
+            if (isinstance(cls, type) and name.endswith("MLP") and cls.__module__ == module.__name__
+                    and (target := gradops_mlp_class(cls)) is not None):
+                out[name] = target
+    return out
+
+
+def register(norms: bool | Iterable[str] = False, mlps: bool | Iterable[str] = False) -> None:
     """Register gradops with transformers; idempotent.
 
     Always: the ``"gradops"`` experts implementation in ``ALL_EXPERTS_FUNCTIONS``, so that
@@ -360,6 +504,7 @@ def register(norms: bool | Iterable[str] = False) -> None:
             classes of these model families (True: :data:`NORM_FAMILIES`) to their gradops subclasses, applied
             by ``from_pretrained`` / ``from_config`` / ``apply_patches()``. A name another library already
             mapped to a different class raises transformers' ValueError rather than being overwritten.
+        mlps: the same for the Llama-style MLP classes of these families (the gate on :func:`gradops.swiglu`).
     """
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -368,12 +513,16 @@ def register(norms: bool | Iterable[str] = False) -> None:
         from transformers.distributed.expert_parallel import EPImplementationInterface
 
         EPImplementationInterface.register(EP, expert_parallel_class())
-    if not norms:
+    if not norms and not mlps:
         return
     from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
 
     mapped = get_patch_mapping()
-    wanted = norm_classes(NORM_FAMILIES if norms is True else norms)
+    wanted = {}
+    if norms:
+        wanted.update(norm_classes(NORM_FAMILIES if norms is True else norms))
+    if mlps:
+        wanted.update(mlp_classes(NORM_FAMILIES if mlps is True else mlps))
     register_patch_mapping({k: v for k, v in wanted.items() if mapped.get(k) is not v})
 
 
