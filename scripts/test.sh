@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$ROOT"
 workers="${GRADOPS_TEST_WORKERS:-2}"
 echo "== lint: ruff check (rules in pyproject.toml)"
-python -m ruff check src tests examples benchmarks
+python -m ruff check src tests examples benchmarks scripts
 echo "== tier 1: main suite (pytest -n $workers)"
 python -m pytest -q -p no:cacheprovider -n "$workers" "$@"
 echo "== tier 2: Triton kernels under TRITON_INTERPRET=1"

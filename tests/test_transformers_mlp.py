@@ -166,7 +166,7 @@ def test_autocast_runs_the_gate_in_the_autocast_dtype():
         ref_loss = ref(input_ids=ids, labels=ids).loss
     assert GATE_OPS <= ran
     torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
-    for a, b in zip(ours.parameters(), ref.parameters()):
+    for a in ours.parameters():
         assert a.grad is not None and a.grad.dtype == a.dtype
 
 
@@ -178,7 +178,7 @@ def test_register_then_load_by_name_swaps_the_mlps():
     added = sorted(set(get_patch_mapping()) - before)
     try:
         assert added == ["Qwen3MLP"]
-        config_cls, model_cls, extra, _ = MODELS["qwen3"]
+        config_cls, _, extra, _ = MODELS["qwen3"]
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**{**TINY, **extra}))
     finally:
         unregister_patch_mapping(added)
