@@ -15,7 +15,8 @@ import time
 
 import torch
 
-CASES = [(16, 64, 128), (64, 128, 344), (128, 256, 1024), (256, 256, 688), (512, 256, 512), (1024, 512, 1408)]
+CASES = [(16, 64, 128), (64, 128, 344), (128, 256, 1024), (256, 256, 688), (512, 256, 512), (1024, 256, 1024),
+         (1024, 512, 1408)]
 
 
 def _median_us(step, n: int, sync) -> float:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cases", default=None, help="T x H x I cases, e.g. 1024x256x1024,64x128x344")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,7 +57,8 @@ def main() -> None:
     env = {**environment(device), "bench": "mlp-gate", "dtype": args.dtype, "threads": torch.get_num_threads(),
            "transformers": transformers.__version__}
     lines = []
-    for t, h, i in CASES:
+    cases = CASES if args.cases is None else [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    for t, h, i in cases:
         torch.manual_seed(0)
         ref = LlamaMLP(transformers.LlamaConfig(hidden_size=h, intermediate_size=i)).to(device, dtype)
         ours = copy.deepcopy(ref)
