@@ -229,11 +229,13 @@ gate_up.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
 
 #: Rows x intermediate size from which an MLP call takes the fused gate. Below it the class's own forward runs: there
 #: the GEMMs into strided halves (10-25% slower in MKL at 64 x 128 x 344) and two custom ops' dispatch outweigh what
-#: the fused gate saves. Measured on the CPU (one thread, fwd + bwd of LlamaMLP, medians of 3 alternating runs,
-#: transformers / gradops): T x H x I = 16 x 64 x 128: 0.62x, 64 x 128 x 344: 0.81x, 128 x 256 x 1024: 0.95x,
-#: 256 x 256 x 688: 1.00x, 512 x 256 x 512: 0.99x, 1024 x 512 x 1408: 1.01x. Above it the call also keeps 2·T·I
-#: activations for its backward where transformers' keeps 3·T·I (gate, up and silu(gate)).
-FUSED_MIN_ITEMS = 1 << 20
+#: the fused gate saves. Measured on the CPU (scripts/bench_mlp_gate.py, one thread, fwd + bwd of LlamaMLP,
+#: benchmarks/results/mlp-gate-cpu-*.jsonl; transformers / gradops, fp32 and bf16): T x H x I = 16 x 64 x 128:
+#: 0.58x / 0.67x, 64 x 128 x 344: 0.86x / 0.84x, 256 x 256 x 688: 0.94x / 0.92x, 512 x 256 x 512: 0.96x / 0.90x,
+#: 1024 x 256 x 1024 (2^20 items): 0.98x / 1.06x, 1024 x 512 x 1408: 1.02x / 1.04x; 2^21 stays clear of every case
+#: that was slower (an LLM's MLP, 4096 tokens x 11008, is 45 M). Above it the call also keeps 2·T·I activations for
+#: its backward where transformers' keeps 3·T·I (gate, up and silu(gate)).
+FUSED_MIN_ITEMS = 1 << 21
 
 
 def _silu(act: object) -> bool:
