@@ -60,7 +60,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _compat, ops
 from .families.rms_norm.contract import DTYPE_TABLE as RMS_NORM_DTYPES
 
 #: The experts implementation name gradops registers in transformers' ``ALL_EXPERTS_FUNCTIONS``.
@@ -225,6 +225,7 @@ def _gate_up_backward(ctx, grad: Tensor):
 
 
 gate_up.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
+_compat.record_every_call(gate_up)  # the profiler names gradops::gate_up on torch 2.14 too
 
 
 #: Rows x intermediate size from which an MLP call takes the fused gate. Below it the class's own forward runs: there
