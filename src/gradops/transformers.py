@@ -33,7 +33,7 @@ up_proj(x))`` (recognised by its code, as the norms) computes, where act_fn is S
 bias-free Linear layers, ``down_proj(swiglu(gate_up(x)))``: :func:`gate_up` writes the two projections into the
 two halves of one tensor, and :func:`gradops.swiglu` (aclnnSwiGlu, backward aclnnSwiGluGrad) gives ``silu(gate) *
 up`` from it in one pass, in float32, rounding once. Anything else (another activation, biases, LoRA or quantized
-layers, DTensor shards, dtypes outside CANN's) runs the class's own forward.
+layers, DTensor shards, dtypes outside CANN's, calls below :data:`FUSED_MIN_ITEMS`) runs the class's own forward.
 
 The experts (:func:`experts_forward`): transformers' ``"grouped_mm"`` implementation with gradops' token
 movement: :func:`gradops.moe_token_permute` groups the token copies by expert (its backward is
@@ -175,7 +175,8 @@ def describe(module: torch.nn.Module) -> str:
 # ---------------------------------------------------------------- the dense SwiGLU MLP (Llama, Qwen2/3, Mistral, ...)
 #
 # transformers' Llama-style MLP computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: two matmuls, then SiLU
-# of the gate and the product, two elementwise passes whose backward autograd records as four more. gradops runs
+# of the gate and the product, two elementwise passes whose backward autograd records as three more (two products
+# and SiLU's derivative), keeping silu(gate) beside gate and up. gradops runs
 # the gate on aclnnSwiGlu, whose input is ONE tensor holding both halves: the two projections are written into the
 # two halves of one (..., 2I) tensor by two matmuls with the output's row stride (:func:`gate_up`: the same GEMMs,
 # no copy of x, of the weights or of the activations), then :func:`gradops.swiglu` (one pass forward, one fused
