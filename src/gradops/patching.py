@@ -55,30 +55,32 @@ def _transformers_experts(module: torch.nn.Module) -> bool:
     return hf.is_experts(module)
 
 
+def _swap_transformers(module: torch.nn.Module, where: str, report: PatchReport, target_of, describe,
+                       unknown: str) -> None:
+    """Swap a transformers module for its gradops subclass (``target_of(cls)``), or report it kept (``unknown``)."""
+    cls = type(module)
+    target = target_of(cls)
+    if target is None:
+        report.skipped.append((where, cls.__name__, unknown))
+        return
+    module.__class__ = target
+    report.swapped.append((where, cls.__name__, describe(module)))
+
+
 def _swap_transformers_norm(module: torch.nn.Module, where: str, report: PatchReport) -> None:
     from . import transformers as hf
 
-    cls = type(module)
-    target = hf.gradops_class(cls)
-    if target is None:
-        report.skipped.append((where, cls.__name__, "a transformers RMSNorm whose code is not the Llama, Gemma or "
-                                                    "GPT-OSS formula: left alone, not guessed"))
-        return
-    module.__class__ = target
-    report.swapped.append((where, cls.__name__, hf.describe(module)))
+    _swap_transformers(module, where, report, hf.gradops_class, hf.describe,
+                       "a transformers RMSNorm whose code is not the Llama, Gemma or GPT-OSS formula: left alone, not "
+                       "guessed")
 
 
 def _swap_transformers_mlp(module: torch.nn.Module, where: str, report: PatchReport) -> None:
     from . import transformers as hf
 
-    cls = type(module)
-    target = hf.gradops_mlp_class(cls)
-    if target is None:
-        report.skipped.append((where, cls.__name__, "a transformers MLP whose forward is not Llama's "
-                                                    "down_proj(act_fn(gate_proj(x)) * up_proj(x)): left alone"))
-        return
-    module.__class__ = target
-    report.swapped.append((where, cls.__name__, hf.describe_mlp(module)))
+    _swap_transformers(module, where, report, hf.gradops_mlp_class, hf.describe_mlp,
+                       "a transformers MLP whose forward is not Llama's down_proj(act_fn(gate_proj(x)) * up_proj(x)): "
+                       "left alone")
 
 
 def _switch_experts(model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]], report: PatchReport) -> None:

@@ -468,14 +468,20 @@ def expert_parallel_class() -> type:
 def norm_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
     """transformers RMSNorm class name -> its gradops subclass, for every known-formula RMSNorm class defined
     in the modeling modules of ``families`` (imported here)."""
+    return _classes(families, "RMSNorm", gradops_class)
+
+
+def _classes(families: Iterable[str], suffix: str, target_of) -> dict[str, type]:
+    """Class name -> ``target_of(cls)`` for the classes named ``*suffix`` defined in the modeling modules of
+    ``families`` (imported here) that have one."""
     import importlib
 
     out = {}
     for family in families:
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         for name, cls in vars(module).items():
-            if (isinstance(cls, type) and name.endswith("RMSNorm") and cls.__module__ == module.__name__
-                    and (target := gradops_class(cls)) is not None):
+            if (isinstance(cls, type) and name.endswith(suffix) and cls.__module__ == module.__name__
+                    and (target := target_of(cls)) is not None):
                 out[name] = target
     return out
 
@@ -483,16 +489,7 @@ def norm_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
 def mlp_classes(families: Iterable[str] = NORM_FAMILIES) -> dict[str, type]:
     """transformers MLP class name -> its gradops subclass, for every Llama-style MLP class defined in the modeling
     modules of ``families`` (imported here)."""
-    import importlib
-
-    out = {}
-    for family in families:
-        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        for name, cls in vars(module).items():
-            if (isinstance(cls, type) and name.endswith("MLP") and cls.__module__ == module.__name__
-                    and (target := gradops_mlp_class(cls)) is not None):
-                out[name] = target
-    return out
+    return _classes(families, "MLP", gradops_mlp_class)
 
 
 def register(norms: bool | Iterable[str] = False, mlps: bool | Iterable[str] = False) -> None:

@@ -77,7 +77,8 @@ def evaluated(results: Iterable[Result], args: tuple) -> Outputs:
 
 def written(results: Iterable[Result]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of each result as the backends write it (their ``outputs`` / ``output`` specs)."""
-    return [(r.written, r.dtype) for r in results]
+    return [(tuple(r.view if r.view is not None else r.like.shape if r.shape is None else r.shape), r.dtype)
+            for r in results]
 
 
 def floats(cann: bool) -> tuple[torch.dtype, ...]:

@@ -208,7 +208,8 @@ def _refused(table_op, *args) -> None:
 
 
 def _detached(results: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """The slot tables' results as the op returns them: not autograd views (see gradops.ops._direct.own)."""
+    """The slot tables' results as the op returns them: not autograd views (gradops.ops._direct.own's rule; that
+    module is not imported here, it would close an import cycle through the registry)."""
     return tuple(t.detach() for t in results)
 
 

@@ -14,7 +14,7 @@ from ...contract._common import Outputs, written
 from ...cpu._host import allocate, dense, finish, kernel, output, row_blocks
 from ...cpu.programs import Program, arg
 from ...spec import Impl
-from .contract import RmsNormShape, rms_norm_grad_results, rms_norm_results, shape_of
+from .contract import RmsNormShape, on_rows, rms_norm_grad_results, rms_norm_results
 
 
 def _rms_norm_run(x: Tensor, gamma: Tensor, epsilon: float, y: Tensor, rstd: Tensor, m: int, n: int) -> None:
@@ -27,7 +27,7 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
              ) -> tuple[Tensor, Tensor]:
     """``(y[M,N] x.dtype, rstd[M] fp32)`` of the 2-D view ``x``; ``out`` = preallocated ``(y, rstd)``."""
     m, n = x.shape
-    y_spec, rstd_spec = written(rms_norm_results(shape_of(x, gamma), x, gamma, epsilon))
+    y_spec, rstd_spec = written(rms_norm_results(on_rows(m, n), x, gamma, epsilon))
     y, rstd = output(out[0] if out else None, *y_spec), output(out[1] if out else None, *rstd_spec)
     _rms_norm_run(x, gamma, epsilon, y, rstd, m, n)
     return finish(y, out[0] if out else None), finish(rstd, out[1] if out else None)
@@ -79,7 +79,7 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, out: tu
         ``(dx, dgamma)``.
     """
     m, n = x.shape
-    dx_spec, dgamma_spec = written(rms_norm_grad_results(shape_of(x, gamma), dy, x, rstd, gamma))
+    dx_spec, dgamma_spec = written(rms_norm_grad_results(on_rows(m, n), dy, x, rstd, gamma))
     dx, dgamma = output(out[0] if out else None, *dx_spec), output(out[1] if out else None, *dgamma_spec)
     _rms_norm_grad_run(dy, x, rstd, gamma, dx, dgamma, m, n, workspace)
     return finish(dx, out[0] if out else None), finish(dgamma, out[1] if out else None)

@@ -10,7 +10,7 @@ from ...contract._common import written
 from ...kernels.common import RowConfig, persistent_programs, row_config
 from ...launch._common import carve, launch, outputs, reduce_partials, sm_count, unit_stride_rows, workspace_bytes
 from ...spec import Impl
-from .contract import rms_norm_grad_results, rms_norm_results, shape_of
+from .contract import on_rows, rms_norm_grad_results, rms_norm_results
 from .kernels import rms_norm_fwd_kernel, rms_norm_grad_kernel, rms_norm_grad_looped_kernel
 
 
@@ -29,7 +29,7 @@ def rms_norm(x: Tensor, gamma: Tensor, epsilon: float, *, out: tuple[Tensor, Ten
         ``(y, rstd)``: y (M, N) contiguous in x's dtype, rstd (M,) float32.
     """
     m, n = x.shape
-    y, rstd = outputs(out, written(rms_norm_results(shape_of(x, gamma), x, gamma, epsilon)), x.device)
+    y, rstd = outputs(out, written(rms_norm_results(on_rows(m, n), x, gamma, epsilon)), x.device)
     if m == 0:
         return y, rstd
     if n == 0:  # mean of nothing is 0: rstd = eps^-0.5, as the reference
@@ -80,7 +80,7 @@ def rms_norm_grad(dy: Tensor, x: Tensor, rstd: Tensor, gamma: Tensor, *, workspa
         ``(dx, dgamma)``: dx (M, N) contiguous in dy's dtype, dgamma (N,) float32.
     """
     m, n = x.shape
-    dx, dgamma = outputs(out, written(rms_norm_grad_results(shape_of(x, gamma), dy, x, rstd, gamma)), dy.device)
+    dx, dgamma = outputs(out, written(rms_norm_grad_results(on_rows(m, n), dy, x, rstd, gamma)), dy.device)
     if n == 0:
         return dx, dgamma
     if m == 0:
