@@ -1,5 +1,5 @@
-"""``gradops`` command line: ``check``, ``bench``, ``demo``, ``env``, ``golden``, ``verify`` (also ``python -m
-gradops ...``).
+"""``gradops`` command line: ``check``, ``bench``, ``demo``, ``env``, ``golden``, ``verify``, ``cann-home`` (also
+``python -m gradops ...``).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them, and imports a module when its subcommand runs (``demo`` and ``bench`` pull in more than
@@ -27,6 +27,7 @@ COMMANDS = {
     "env": ("gradops.env", "versions, devices, and which backend each op would use"),
     "golden": ("gradops.golden", "write a test case (inputs, float64 goldens, third party, manifest) for one op"),
     "verify": ("gradops.golden.verify", "judge a kernel's output files by CANN's precision standards"),
+    "cann-home": ("gradops.aclnn.capi", "write a CANN toolkit tree (headers, libascendcl/nnopbase/opapi) for C hosts"),
 }
 #: Subcommands that run operators: a GRADOPS_BACKEND naming no backend is refused before they start. (``verify``
 #: only reads files.)

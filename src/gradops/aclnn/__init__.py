@@ -18,9 +18,13 @@ the out tensors. Nothing here raises for bad arguments: every call returns a sta
 same backend decision; the work runs in the implementation it chose.
 """
 
+from ..families.embedding.aclnn import C_API as _EMBEDDING_C
 from ..families.embedding.aclnn import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
+from ..families.hardswish.aclnn import C_API as _HARDSWISH_C
 from ..families.hardswish.aclnn import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
+from ..families.layer_norm.aclnn import C_API as _LAYER_NORM_C
 from ..families.layer_norm.aclnn import aclnnLayerNormBackward, aclnnLayerNormBackwardGetWorkspaceSize
+from ..families.moe.aclnn import C_API as _MOE_C
 from ..families.moe.aclnn import (
     aclnnMoeTokenPermute,
     aclnnMoeTokenPermuteGetWorkspaceSize,
@@ -31,6 +35,7 @@ from ..families.moe.aclnn import (
     aclnnMoeTokenUnpermuteGrad,
     aclnnMoeTokenUnpermuteGradGetWorkspaceSize,
 )
+from ..families.moe.routing_aclnn import C_API as _ROUTING_C
 from ..families.moe.routing_aclnn import (
     aclnnMoeTokenPermuteWithRoutingMap,
     aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize,
@@ -41,12 +46,14 @@ from ..families.moe.routing_aclnn import (
     aclnnMoeTokenUnpermuteWithRoutingMapGrad,
     aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize,
 )
+from ..families.rms_norm.aclnn import C_API as _RMS_NORM_C
 from ..families.rms_norm.aclnn import (
     aclnnRmsNorm,
     aclnnRmsNormGetWorkspaceSize,
     aclnnRmsNormGrad,
     aclnnRmsNormGradGetWorkspaceSize,
 )
+from ..families.swiglu.aclnn import C_API as _SWIGLU_C
 from ..families.swiglu.aclnn import (
     aclnnSwiGlu,
     aclnnSwiGluGetWorkspaceSize,
@@ -83,6 +90,10 @@ from ._executor import aclDestroyAclOpExecutor, aclGetRecentErrMsg, aclOpExecuto
 #: ``aclnnStatus`` is a plain int; kept as a name so ported signatures read the same.
 aclnnStatus = int
 
+#: Every operator's C declaration (:class:`gradops.aclnn._declare.CFunction`), in the families' order: what
+#: ``gradops cann-home`` writes into ``include/aclnnop`` and compiles into ``libopapi.so``.
+C_API = (*_RMS_NORM_C, *_LAYER_NORM_C, *_HARDSWISH_C, *_EMBEDDING_C, *_MOE_C, *_ROUTING_C, *_SWIGLU_C)
+
 __all__ = [
     "ACLNN_ERR_INNER",
     "ACLNN_ERR_INNER_CREATE_EXECUTOR",
@@ -106,6 +117,7 @@ __all__ = [
     "ACLNN_ERR_PARAM_NULLPTR",
     "ACLNN_ERR_RUNTIME_ERROR",
     "ACLNN_SUCCESS",
+    "C_API",
     "STATUS_NAMES",
     "aclDestroyAclOpExecutor",
     "aclGetRecentErrMsg",

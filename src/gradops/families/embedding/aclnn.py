@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
 from ...status import ACLNN_ERR_PARAM_INVALID, OpError
 from .contract import checked_indices
@@ -83,3 +84,13 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
 def aclnnEmbeddingDenseBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnEmbeddingDenseBackward."""
     return execute(_OP, workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnEmbeddingDenseBackwardGetWorkspaceSize, aclnnEmbeddingDenseBackward,
+        "aclnn_embedding_dense_backward.h",
+        "const aclTensor *grad, const aclTensor *indices, uint64_t numWeights, uint64_t paddingIdx, "
+        "bool scaleGradByFreq, const aclTensor *out"),
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
 from ...status import OpError
 from .ops import plan_hardswish_backward
@@ -37,3 +38,12 @@ def aclnnHardswishBackwardGetWorkspaceSize(gradOutput: Tensor, self: Tensor,
 def aclnnHardswishBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnHardswishBackward."""
     return execute("hardswish_backward", workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnHardswishBackwardGetWorkspaceSize, aclnnHardswishBackward,
+        "aclnn_hardswish_backward.h",
+        "const aclTensor *gradOutput, const aclTensor *self, aclTensor *out"),
+)

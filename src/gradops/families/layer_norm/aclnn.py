@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, refused
 from ...contract._common import (
     MAX_RANK,
@@ -277,3 +278,15 @@ def aclnnLayerNormBackwardGetWorkspaceSize(gradOut: Tensor, input: Tensor, norma
 def aclnnLayerNormBackward(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnLayerNormBackward: run ``executor`` on ``stream`` (None or a torch.cuda.Stream)."""
     return execute(OP, workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnLayerNormBackwardGetWorkspaceSize, aclnnLayerNormBackward,
+        "aclnn_layer_norm_backward.h",
+        "const aclTensor *gradOut, const aclTensor *input, const aclIntArray *normalizedShape, "
+        "const aclTensor *mean, const aclTensor *rstd, const aclTensor *weightOptional, "
+        "const aclTensor *biasOptional, const aclBoolArray *outputMask, aclTensor *gradInputOut, "
+        "aclTensor *gradWeightOut, aclTensor *gradBiasOut"),
+)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
 from ...status import OpError
 from .contract import check_restore_shape
@@ -190,3 +191,29 @@ def aclnnMoeTokenUnpermuteGradGetWorkspaceSize(permutedTokensOptional: Tensor | 
 def aclnnMoeTokenUnpermuteGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnMoeTokenUnpermuteGrad."""
     return execute("moe_token_unpermute_grad", workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnMoeTokenPermuteGetWorkspaceSize, aclnnMoeTokenPermute,
+        "aclnn_moe_token_permute.h",
+        "const aclTensor *tokens, const aclTensor *indices, int64_t numOutTokens, bool paddedMode, "
+        "aclTensor *permuteTokensOut, aclTensor *sortedIndicesOut"),
+    CFunction(
+        aclnnMoeTokenPermuteGradGetWorkspaceSize, aclnnMoeTokenPermuteGrad,
+        "aclnn_moe_token_permute_grad.h",
+        "const aclTensor *permutedOutputGrad, const aclTensor *sortedIndices, int64_t numTopk, "
+        "bool paddedModeOptional, aclTensor *out"),
+    CFunction(
+        aclnnMoeTokenUnpermuteGetWorkspaceSize, aclnnMoeTokenUnpermute,
+        "aclnn_moe_token_unpermute.h",
+        "const aclTensor *permutedTokens, const aclTensor *sortedIndices, const aclTensor *probsOptional, "
+        "bool paddedMode, const aclIntArray *restoreShapeOptional, aclTensor *out"),
+    CFunction(
+        aclnnMoeTokenUnpermuteGradGetWorkspaceSize, aclnnMoeTokenUnpermuteGrad,
+        "aclnn_moe_token_unpermute_grad.h",
+        "const aclTensor *permutedTokensOptional, const aclTensor *unpermutedTokensGrad, "
+        "const aclTensor *sortedIndices, const aclTensor *probsOptional, bool paddedMode, "
+        "const aclIntArray *restoreShapeOptional, aclTensor *permutedTokensGradOut, aclTensor *probsGradOut"),
+)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ... import backend, registry
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, prepare, refused
 from ...contract._common import fail, require_present, shape_text
 from ...status import ACLNN_ERR_INNER_TILING_ERROR as TILING
@@ -319,3 +320,33 @@ def aclnnMoeTokenUnpermuteWithRoutingMapGrad(workspace, workspaceSize: int, exec
                                              stream=None) -> int:
     """Phase 2 of aclnnMoeTokenUnpermuteWithRoutingMapGrad."""
     return execute(UNPERMUTE_GRAD, workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnMoeTokenPermuteWithRoutingMapGetWorkspaceSize, aclnnMoeTokenPermuteWithRoutingMap,
+        "aclnn_moe_token_permute_with_routing_map.h",
+        "const aclTensor *tokens, const aclTensor *routingMap, const aclTensor *probsOptional, "
+        "int64_t numOutTokens, bool dropAndPad, aclTensor *permuteTokensOut, aclTensor *permuteProbsOutOptional, "
+        "aclTensor *sortedIndicesOut"),
+    CFunction(
+        aclnnMoeTokenPermuteWithRoutingMapGradGetWorkspaceSize, aclnnMoeTokenPermuteWithRoutingMapGrad,
+        "aclnn_moe_token_permute_with_routing_map_grad.h",
+        "const aclTensor *permutedTokenOutputGrad, const aclTensor *permutedProbsOutputGradOptional, "
+        "const aclTensor *sortedIndices, const aclTensor *routingMapOptional, int64_t numExperts, "
+        "int64_t tokensNum, bool dropAndPad, aclTensor *tokensGradOut, aclTensor *probsGradOutOptional"),
+    CFunction(
+        aclnnMoeTokenUnpermuteWithRoutingMapGetWorkspaceSize, aclnnMoeTokenUnpermuteWithRoutingMap,
+        "aclnn_moe_token_unpermute_with_routing_map.h",
+        "const aclTensor *permutedTokens, const aclTensor *sortedIndices, const aclTensor *routingMapOptional, "
+        "const aclTensor *probsOptional, bool paddedMode, const aclIntArray *restoreShapeOptional, "
+        "aclTensor *unpermutedTokens, aclTensor *outIndex, aclTensor *permuteTokenId, aclTensor *permuteProbs"),
+    CFunction(
+        aclnnMoeTokenUnpermuteWithRoutingMapGradGetWorkspaceSize, aclnnMoeTokenUnpermuteWithRoutingMapGrad,
+        "aclnn_moe_token_unpermute_with_routing_map_grad.h",
+        "const aclTensor *unpermutedTokensGrad, const aclTensor *outIndex, const aclTensor *permuteTokenId, "
+        "const aclTensor *routingMapOptional, const aclTensor *permutedTokensOptional, "
+        "const aclTensor *probsOptional, bool dropAndPad, const aclIntArray *restoreShapeOptional, "
+        "aclTensor *permutedTokensGradOut, aclTensor *probsGradOutOptional"),
+)

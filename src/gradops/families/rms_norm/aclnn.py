@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
 from ...status import OpError
 from .ops import plan_rms_norm, plan_rms_norm_grad
@@ -81,3 +82,17 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
 def aclnnRmsNorm(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnRmsNorm."""
     return execute("rms_norm", workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnRmsNormGetWorkspaceSize, aclnnRmsNorm,
+        "aclnn_rms_norm.h",
+        "const aclTensor *x, const aclTensor *gamma, double epsilon, const aclTensor *yOut, const aclTensor *rstdOut"),
+    CFunction(
+        aclnnRmsNormGradGetWorkspaceSize, aclnnRmsNormGrad,
+        "aclnn_rms_norm_grad.h",
+        "const aclTensor *dy, const aclTensor *x, const aclTensor *rstd, const aclTensor *gamma, "
+        "const aclTensor *dxOut, const aclTensor *dgammaOut"),
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
 from ...status import OpError
 from .ops import plan_swiglu, plan_swiglu_grad
@@ -75,3 +76,16 @@ def aclnnSwiGluGradGetWorkspaceSize(yGrad: Tensor, x: Tensor, dim: int,
 def aclnnSwiGluGrad(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
     """Phase 2 of aclnnSwiGluGrad."""
     return execute("swiglu_grad", workspace, workspaceSize, executor, stream)
+
+
+#: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
+C_API = (
+    CFunction(
+        aclnnSwiGluGetWorkspaceSize, aclnnSwiGlu,
+        "aclnn_swi_glu.h",
+        "const aclTensor *x, int64_t dim, aclTensor *out"),
+    CFunction(
+        aclnnSwiGluGradGetWorkspaceSize, aclnnSwiGluGrad,
+        "aclnn_swi_glu_grad.h",
+        "const aclTensor *yGrad, const aclTensor *x, int64_t dim, aclTensor *out"),
+)
