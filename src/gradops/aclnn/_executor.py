@@ -37,7 +37,7 @@ from functools import partial
 
 import torch
 
-from .. import backend, registry
+from .. import _runtime, backend, registry
 from ..contract._common import Result, overlaps_itself
 from ..ops._out import takes_out
 from ..ops._plan import CallPlan, Planner
@@ -95,6 +95,7 @@ class aclOpExecutor:  # CANN's name (not PEP 8), so ported code reads the same
                  bound: dict[str, torch.Tensor] | None = None) -> None:
         self.op = op
         self._bound = {name: (t, _layout(t)) for name, t in (bound or {}).items() if isinstance(t, torch.Tensor)}
+        self._spans: list | None = None  # the bound tensors' byte spans, for the workspace overlap check
         self.backend = backend_name
         self.device = device
         self.workspace_size = workspace_size
@@ -109,10 +110,22 @@ class aclOpExecutor:  # CANN's name (not PEP 8), so ported code reads the same
                 f"workspace={self.workspace_size} B, {'repeatable, ' if self.repeatable else ''}{state})")
 
 
-def _layout(t: torch.Tensor) -> tuple:
+def _layout_python(t: torch.Tensor) -> tuple:
     """What a kernel relies on besides the values: where the elements are and how many bytes back them."""
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
             t.untyped_storage().nbytes())
+
+
+#: ``_layout(t)``: :func:`_layout_python`, or the native extension's C form of it where the extension is loaded.
+_layout: Callable[[torch.Tensor], tuple] = _layout_python
+
+
+def _use_layout(ext) -> None:
+    global _layout
+    _layout = getattr(ext, "layout", None) or _layout_python
+
+
+_runtime.on_extension(_use_layout)
 
 
 def _changed(executor: aclOpExecutor) -> str | None:
@@ -155,11 +168,18 @@ def aclDestroyAclOpExecutor(executor: aclOpExecutor | None) -> int:
     executor.destroyed = True
     executor._run = None  # drop the references to the caller's tensors, as CANN frees the executor
     executor._bound = {}
+    executor._spans = None
     return ACLNN_SUCCESS
 
 
 #: Alignment of the result buffers carved from the workspace (cache line; CANN aligns workspaces to 512 bytes).
 _ALIGN = 64
+
+
+def shaped(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``t`` in ``shape``: itself where it has that shape already (an 8 x 8 call's 2-D arguments: no view made, ~0.5
+    µs each), else its reshape (a view of the contiguous tensors the CANN-strict checks admit)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def plan(planner: Planner, *args, **outs: torch.Tensor) -> CallPlan:
@@ -225,6 +245,11 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
                 carved.append((size, nbytes))
                 size += nbytes
 
+    # The outs' views in the result shapes, made once (phase 2 runs on the layouts phase 1 saw); None: carved from
+    # the workspace at run time.
+    fixed = [shaped(t, *shape) if direct and t.is_contiguous() else None for t, shape in targets]
+    single = fixed[0] if len(fixed) == 1 and not carved else None
+
     def run(workspace: torch.Tensor | None) -> None:
         kw = {"workspace": workspace[:scratch] if workspace is not None and scratch else None} if hook else {}
         if not direct:
@@ -232,11 +257,15 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
             for (t, _), r in zip(targets, results if isinstance(results, tuple) else (results,)):
                 t.copy_(r.reshape(t.shape))
             return
-        base = (-workspace.data_ptr()) % _ALIGN - _ALIGN if carved else 0  # offsets above include the slack
+        if not carved:
+            kw["out"] = single if single is not None else tuple(fixed)
+            compute(fn, kw)
+            return
+        base = (-workspace.data_ptr()) % _ALIGN - _ALIGN  # offsets above include the slack
         views, pending, spots = [], [], iter(carved)
-        for t, shape in targets:
-            if t.is_contiguous():
-                views.append(t.view(shape))
+        for (t, shape), view in zip(targets, fixed):
+            if view is not None:
+                views.append(view)
                 continue
             offset, nbytes = next(spots)
             buf = workspace[base + offset:base + offset + nbytes].view(t.dtype).view(shape)
@@ -265,7 +294,8 @@ def _workspace_bytes(op: str, workspace, workspace_size, executor: aclOpExecutor
             f"a tensor on {workspace.device}, contiguous={workspace.is_contiguous()}"
         return _refuse(ACLNN_ERR_PARAM_INVALID,
                        f"{op}: workspace must be a contiguous tensor on {executor.device}, got {given}"), None
-    raw = workspace.reshape(-1).view(torch.uint8)  # void*: any dtype, read as bytes
+    raw = workspace if workspace.dtype is torch.uint8 and workspace.dim() == 1 else \
+        workspace.reshape(-1).view(torch.uint8)  # void*: any dtype, read as bytes
     if raw.numel() < workspace_size:
         return _refuse(ACLNN_ERR_PARAM_INVALID,
                        f"{op}: workspace holds {raw.numel()} bytes, fewer than workspaceSize = {workspace_size}"), None
@@ -274,16 +304,20 @@ def _workspace_bytes(op: str, workspace, workspace_size, executor: aclOpExecutor
 
 def _extent(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[first, past)`` a tensor's elements span (None when it has none)."""
-    if t.numel() == 0:
-        return None
-    first = past = t.data_ptr()
-    for size, stride in zip(t.shape, t.stride()):
-        step = (size - 1) * stride * t.element_size()
+    return _span(t.data_ptr(), t.shape, t.stride(), t.element_size())
+
+
+def _span(address: int, shape, strides, itemsize: int) -> tuple[int, int] | None:
+    first = past = address
+    for size, stride in zip(shape, strides):
+        if size == 0:
+            return None
+        step = (size - 1) * stride * itemsize
         if step < 0:
             first += step
         else:
             past += step
-    return first, past + t.element_size()
+    return first, past + itemsize
 
 
 def _shares_memory(workspace: torch.Tensor | None, executor: aclOpExecutor) -> str | None:
@@ -294,9 +328,11 @@ def _shares_memory(workspace: torch.Tensor | None, executor: aclOpExecutor) -> s
     span = None if workspace is None else _extent(workspace)
     if span is None:
         return None
-    for name, (t, _) in executor._bound.items():
-        other = _extent(t) if t.device == workspace.device else None
-        if other is not None and other[0] < span[1] and span[0] < other[1]:
+    if executor._spans is None:  # from the layouts phase 1 saw (phase 2 checked them unchanged), once per executor
+        executor._spans = [(name, device, _span(address, shape, strides, dtype.itemsize))
+                           for name, (_, (address, shape, strides, _, dtype, device, _)) in executor._bound.items()]
+    for name, device, other in executor._spans:
+        if other is not None and device == workspace.device and other[0] < span[1] and span[0] < other[1]:
             return (f"{name} (bytes [{other[0]:#x}, {other[1]:#x}) against the workspace's [{span[0]:#x}, "
                     f"{span[1]:#x}))")
     return None

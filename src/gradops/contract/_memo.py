@@ -28,15 +28,17 @@ _STRIDED = torch.strided
 LIMIT = 256
 
 
-def key_of(args: tuple) -> tuple | None:
-    """The metadata a check reads from ``args``, or None when some argument is not plain (see the module doc)."""
+def key_of(args: tuple, strides: bool = False) -> tuple | None:
+    """The metadata a check reads from ``args``, or None when some argument is not plain (see the module doc).
+    ``strides``: each tensor's strides too, for the CANN-strict checks (which refuse non-contiguous inputs and
+    outputs whose elements share memory)."""
     key = []
     for a in args:
         kind = type(a)
         if kind in _PLAIN_TENSORS:
             if a.layout is not _STRIDED or _common.hollow(a):
                 return None
-            key.append((a.shape, a.dtype, a.device))
+            key.append((a.shape, a.dtype, a.device, a.stride()) if strides else (a.shape, a.dtype, a.device))
         elif kind in _SCALARS:
             key.append((kind, a))
         elif kind in _SEQUENCES and all(type(v) is int for v in a):  # a shape argument (restore_shape)

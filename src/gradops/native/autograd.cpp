@@ -7,7 +7,9 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
@@ -145,7 +147,32 @@ PyObject* from_address(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// gradops.aclnn._executor._layout's C form: (data_ptr, shape, strides, storage offset, dtype, device, storage bytes),
+// what an aclnn executor compares between its two phases (~0.3 µs where the seven Python reads cost ~0.7).
+PyObject* layout_fast(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(THPVariable_Check(arg), "gradops.native.layout: expected a tensor");
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  const auto sizes = t.sizes(), strides = t.strides();
+  PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+  PyObject* steps = PyTuple_New(static_cast<Py_ssize_t>(strides.size()));
+  if (shape == nullptr || steps == nullptr) throw python_error();
+  for (size_t i = 0; i < sizes.size(); ++i) PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(sizes[i]));
+  for (size_t i = 0; i < strides.size(); ++i) PyTuple_SET_ITEM(steps, i, PyLong_FromLongLong(strides[i]));
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+  Py_INCREF(dtype);
+  const int64_t nbytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+  return PyTuple_Pack(7, py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(t.data_ptr())).ptr(),
+                      py::reinterpret_steal<py::object>(shape).ptr(), py::reinterpret_steal<py::object>(steps).ptr(),
+                      py::reinterpret_steal<py::object>(PyLong_FromLongLong(t.storage_offset())).ptr(),
+                      py::reinterpret_steal<py::object>(dtype).ptr(),
+                      py::reinterpret_steal<py::object>(THPDevice_New(t.device())).ptr(),
+                      py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes)).ptr());
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef shared_functions[] = {
+    {"layout", layout_fast, METH_O, "(data_ptr, shape, strides, storage offset, dtype, device, storage bytes)"},
     {"hollow", hollow_fast, METH_O, "whether a plain tensor's storage does not hold its elements (freed, shrunk)"},
     {"from_address", gradops::fastcall(from_address), METH_FASTCALL,
      "a tensor over memory the caller owns: (address, dtype, sizes, strides, offset)"},

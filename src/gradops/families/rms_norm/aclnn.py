@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
 from ...status import OpError
 from .ops import plan_rms_norm, plan_rms_norm_grad
 
@@ -34,14 +34,13 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
     except OpError as e:
         return refused(e)
     rows, cols, _ = called.shape
-
-    def args():
-        return dy.reshape(rows, cols), x.reshape(rows, cols), rstd.reshape(rows), gamma.reshape(cols)
+    # Views made once: phase 2 runs only on tensors whose layout phase 1 saw (gradops.aclnn._executor._changed).
+    views = shaped(dy, rows, cols), shaped(x, rows, cols), shaped(rstd, rows), shaped(gamma, cols)
 
     def compute(impl, kw):
-        return impl(*args(), **kw)
+        return impl(*views, **kw)
 
-    return prepare("rms_norm_grad", x.device, called.backend, args(), compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
+    return prepare("rms_norm_grad", x.device, called.backend, views, compute, {"dxOut": dxOut, "dgammaOut": dgammaOut},
                    plan_rms_norm_grad.spec.results(called.shape, dy, x, rstd, gamma),
                    inputs={"dy": dy, "x": x, "rstd": rstd, "gamma": gamma})
 
@@ -68,14 +67,12 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
     except OpError as e:
         return refused(e)
     rows, cols, _ = called.shape
-
-    def args():
-        return x.reshape(rows, cols), gamma.reshape(cols), float(epsilon)
+    views = shaped(x, rows, cols), shaped(gamma, cols), float(epsilon)
 
     def compute(impl, kw):
-        return impl(*args(), **kw)
+        return impl(*views, **kw)
 
-    return prepare("rms_norm", x.device, called.backend, args(), compute, {"yOut": yOut, "rstdOut": rstdOut},
+    return prepare("rms_norm", x.device, called.backend, views, compute, {"yOut": yOut, "rstdOut": rstdOut},
                    plan_rms_norm.spec.results(called.shape, x, gamma, epsilon), inputs={"x": x, "gamma": gamma})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
 from ...status import OpError
 from .ops import plan_swiglu, plan_swiglu_grad
 
@@ -32,10 +32,12 @@ def aclnnSwiGluGetWorkspaceSize(x: Tensor, dim: int, out: Tensor) -> tuple[int, 
         return refused(e)
     rows, cols = called.shape.rows, called.shape.cols
 
-    def compute(impl, kw):
-        return impl(x.reshape(rows, 2 * cols), -1, **kw)
+    views = shaped(x, rows, 2 * cols), -1  # made once: phase 2 runs only on the layout phase 1 saw
 
-    return prepare("swiglu", x.device, called.backend, (x.reshape(rows, 2 * cols), -1), compute, {"out": out},
+    def compute(impl, kw):
+        return impl(*views, **kw)
+
+    return prepare("swiglu", x.device, called.backend, views, compute, {"out": out},
                    plan_swiglu.spec.results(called.shape, x, dim), inputs={"x": x})
 
 
@@ -63,13 +65,12 @@ def aclnnSwiGluGradGetWorkspaceSize(yGrad: Tensor, x: Tensor, dim: int,
         return refused(e)
     rows, cols = called.shape.rows, called.shape.cols
 
-    def args():
-        return yGrad.reshape(rows, cols), x.reshape(rows, 2 * cols), -1
+    views = shaped(yGrad, rows, cols), shaped(x, rows, 2 * cols), -1
 
     def compute(impl, kw):
-        return impl(*args(), **kw)
+        return impl(*views, **kw)
 
-    return prepare("swiglu_grad", x.device, called.backend, args(), compute, {"out": out},
+    return prepare("swiglu_grad", x.device, called.backend, views, compute, {"out": out},
                    plan_swiglu_grad.spec.results(called.shape, yGrad, x, dim), inputs={"yGrad": yGrad, "x": x})
 
 
