@@ -331,6 +331,27 @@ def _install_source(target: str, extras: set[str]) -> str | None:
     return "not a path or a git URL: gradops is on no package index"
 
 
+def _c_toolchain(where: str, tool: str, args: list[str]) -> str | None:
+    """A C host program built against a ``gradops cann-home`` tree (docs/cann-c.md): the compiler links the tree's
+    libraries and reads its include folders; ``source`` reads the tree's set_env.sh; ``./NAME`` runs a program a
+    compiler line of the documents builds (``-o NAME``)."""
+    from gradops.aclnn import capi
+
+    if tool == "source":
+        return None if args[:1] and args[0].endswith("/set_env.sh") else f"{where}: not a tree's set_env.sh"
+    if tool.startswith("./"):
+        built = {a[i + 1] for _, a, _ in _commands() if a[0] in ("g++", "c++") for i in range(len(a) - 1)
+                 if a[i] == "-o"}
+        return None if tool[2:] in built else f"{where}: no compiler line builds {tool[2:]}"
+    libraries = {a[2:] for a in args if a.startswith("-l")}
+    paths = [a[2:] or (args[i + 1] if i + 1 < len(args) else "") for i, a in enumerate(args)
+             if a.startswith(("-I", "-L"))]  # -IDIR or -I DIR
+    folders = {p.rstrip("/").rsplit("/", 1)[-1] for p in paths}
+    if libraries != {name for name, _, _ in capi.LIBRARIES}:
+        return f"{where}: links {sorted(libraries)}, not the tree's libraries"
+    return None if folders == {"include", "aclnnop", "lib64"} else f"{where}: reads {sorted(folders)}"
+
+
 def _check(where: str, argv: list[str], whole: bool, extras: set[str]) -> str | None:
     """What is wrong with one README command, or None."""
     tool, args = argv[0], argv[1:]
@@ -360,6 +381,8 @@ def _check(where: str, argv: list[str], whole: bool, extras: set[str]) -> str | 
         if not args or args[0] not in cli.COMMANDS:
             return f"{where}: gradops has no subcommand {args[:1]}"
         main = cli.main
+    elif tool in ("g++", "c++", "source") or tool.startswith("./"):
+        return _c_toolchain(where, tool, args)
     else:
         return f"{where}: a command this test does not know how to check ({tool})"
     if main is None:
