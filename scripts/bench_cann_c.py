@@ -2,9 +2,9 @@
 
 ``python scripts/bench_cann_c.py [--threads N] [--out FILE | --no-save]``: writes a `gradops cann-home` tree into a
 temporary folder, builds benchmarks/capi/two_phase.cpp against it with CANN's build line, and times phase 1 + phase 2
-of aclnnRmsNormGrad and aclnnHardswishBackward on 8 x 8 float32 tensors: from C (the embedded Python behind
-libopapi.so), from Python (gradops.aclnn, the same phases without the C layer) and the PyTorch API's call of the same
-op with ``out=`` (what a Python user pays). Medians of batches; one JSON line per op with the environment (CPU,
+of five operators (RmsNormGrad, HardswishBackward, LayerNormBackward, EmbeddingDenseBackward, MoeTokenPermuteGrad) on
+8 x 8 float32 tensors: from C (the embedded Python behind libopapi.so), from Python (gradops.aclnn, the same phases
+without the C layer) and the PyTorch API's call of the same op with ``out=`` (what a Python user pays). Medians of batches; one JSON line per op with the environment (CPU,
 versions, commit, date), into benchmarks/results/cann-c-cpu-<date>.jsonl by default.
 """
 
@@ -45,8 +45,10 @@ def _python_side() -> dict[str, tuple[float, float]]:
     i = torch.arange(N * N, dtype=torch.float32)
     dy, x = (0.01 * i - 0.3).reshape(N, N), (0.02 * (i % 11) - 0.1).reshape(N, N)
     r = torch.arange(N, dtype=torch.float32)
-    rstd, gamma = 1.0 + 0.1 * r, 0.5 + 0.05 * r
-    dx, dgamma, out = torch.empty(N, N), torch.empty(N), torch.empty(N, N)
+    rstd, gamma, mean = 1.0 + 0.1 * r, 0.5 + 0.05 * r, 0.01 * r
+    ids, rows = (3 * r.long()) % N, ((5 * r.long() + 1) % N).int()
+    dx, dgamma, dbeta, out, table = torch.empty(N, N), torch.empty(N), torch.empty(N), torch.empty(N, N), \
+        torch.empty(N, N)
     workspace = torch.empty(1 << 16, dtype=torch.uint8)
 
     def two_phase(first, second, *args):
@@ -64,6 +66,18 @@ def _python_side() -> dict[str, tuple[float, float]]:
             _median_us(two_phase(aclnn.aclnnHardswishBackwardGetWorkspaceSize, aclnn.aclnnHardswishBackward, dy, x,
                                  out)),
             _median_us(lambda: gradops.hardswish_backward(dy, x, out=out))),
+        "aclnnLayerNormBackward": (
+            _median_us(two_phase(aclnn.aclnnLayerNormBackwardGetWorkspaceSize, aclnn.aclnnLayerNormBackward, dy, x,
+                                 (N,), mean, rstd, gamma, None, (True, True, True), dx, dgamma, dbeta)),
+            _median_us(lambda: gradops.layer_norm_backward(dy, x, mean, rstd, gamma, out=(dx, dgamma, dbeta)))),
+        "aclnnEmbeddingDenseBackward": (
+            _median_us(two_phase(aclnn.aclnnEmbeddingDenseBackwardGetWorkspaceSize, aclnn.aclnnEmbeddingDenseBackward,
+                                 dy, ids, N, (1 << 64) - 1, False, table)),
+            _median_us(lambda: gradops.embedding_dense_backward(dy, ids, N, -1, False, out=table))),
+        "aclnnMoeTokenPermuteGrad": (
+            _median_us(two_phase(aclnn.aclnnMoeTokenPermuteGradGetWorkspaceSize, aclnn.aclnnMoeTokenPermuteGrad, dy,
+                                 rows, 1, False, out)),
+            _median_us(lambda: gradops.moe_token_permute_grad(dy, rows, 1, out=out))),
     }
 
 

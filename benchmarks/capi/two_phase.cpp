@@ -1,23 +1,40 @@
 // The cost of one aclnn call through gradops' C surface: phase 1 + phase 2 of an operator on 8x8 float32
-// tensors, from C, as a CANN host program makes it (tensors created once, a workspace of phase 1's size).
-// Built and run by scripts/bench_cann_c.py; prints one JSON line per operator: median µs per call over batches.
+// tensors (8 indices / tokens for the embedding and the MoE permute), from C, as a CANN host program makes it
+// (tensors created once, a workspace of phase 1's size). Built and run by scripts/bench_cann_c.py; prints one JSON
+// line per operator: median µs per call over batches.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #include "acl/acl.h"
+#include "aclnnop/aclnn_embedding_dense_backward.h"
 #include "aclnnop/aclnn_hardswish_backward.h"
+#include "aclnnop/aclnn_layer_norm_backward.h"
+#include "aclnnop/aclnn_moe_token_permute_grad.h"
 #include "aclnnop/aclnn_rms_norm_grad.h"
 
 namespace {
 
-aclTensor* tensor(std::vector<float>& data, std::vector<int64_t> shape) {
+template <class T>
+aclTensor* tensor(std::vector<T>& data, std::vector<int64_t> shape, aclDataType dtype = ACL_FLOAT) {
   std::vector<int64_t> strides(shape.size(), 1);
   for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
-  return aclCreateTensor(shape.data(), shape.size(), ACL_FLOAT, strides.data(), 0, ACL_FORMAT_ND, shape.data(),
+  return aclCreateTensor(shape.data(), shape.size(), dtype, strides.data(), 0, ACL_FORMAT_ND, shape.data(),
                          shape.size(), data.data());
+}
+
+// Phase 1 then phase 2 with a workspace of phase 1's size, then the stream synchronised.
+template <class Phase1, class Phase2>
+int two_phase(Phase1 phase1, Phase2 phase2, std::vector<char>& workspace, aclrtStream stream) {
+  uint64_t size = 0;
+  aclOpExecutor* executor = nullptr;
+  aclnnStatus s = phase1(&size, &executor);
+  if (s != 0 || size > workspace.size()) return s ? s : -1;
+  s = phase2(size ? workspace.data() : nullptr, size, executor, stream);
+  return s ? s : aclrtSynchronizeStream(stream);
 }
 
 template <class Call>
@@ -53,28 +70,59 @@ int main(int argc, char** argv) {
   aclTensor *tdx = tensor(dx, {n, n}), *tdg = tensor(dgamma, {n}), *tout = tensor(out, {n, n});
   std::vector<char> workspace(1 << 16);
 
-  auto rms_norm_grad = [&] {
-    uint64_t size = 0;
-    aclOpExecutor* executor = nullptr;
-    aclnnStatus s = aclnnRmsNormGradGetWorkspaceSize(tdy, tx, tr, tg, tdx, tdg, &size, &executor);
-    if (s != 0 || size > workspace.size()) return s ? s : -1;
-    s = aclnnRmsNormGrad(size ? workspace.data() : nullptr, size, executor, stream);
-    return s ? s : aclrtSynchronizeStream(stream);
+  // LayerNormBackward's statistics, the embedding's indices, the permute's destinations.
+  std::vector<float> mean(n), weight_grad(n), bias_grad(n), table(n * n);
+  std::vector<int64_t> ids(n), norm = {n};
+  std::vector<int32_t> rows(n);
+  for (int i = 0; i < n; ++i) mean[i] = 0.01f * i, ids[i] = (3 * i) % n, rows[i] = (5 * i + 1) % n;
+  bool mask_values[3] = {true, true, true};
+  aclIntArray* normalized = aclCreateIntArray(norm.data(), 1);
+  aclBoolArray* mask = aclCreateBoolArray(mask_values, 3);
+  aclTensor *tmean = tensor(mean, {n}), *tdw = tensor(weight_grad, {n}), *tdb = tensor(bias_grad, {n});
+  aclTensor *tids = tensor(ids, {n}, ACL_INT64), *ttable = tensor(table, {n, n}), *trows = tensor(rows, {n}, ACL_INT32);
+
+  struct Case {
+    const char* op;
+    std::function<int()> call;
   };
-  auto hardswish_backward = [&] {
-    uint64_t size = 0;
-    aclOpExecutor* executor = nullptr;
-    aclnnStatus s = aclnnHardswishBackwardGetWorkspaceSize(tdy, tx, tout, &size, &executor);
-    if (s != 0 || size > workspace.size()) return s ? s : -1;
-    s = aclnnHardswishBackward(size ? workspace.data() : nullptr, size, executor, stream);
-    return s ? s : aclrtSynchronizeStream(stream);
+  std::vector<Case> cases = {
+      {"aclnnRmsNormGrad", [&] {
+         return two_phase([&](uint64_t* size, aclOpExecutor** ex) {
+           return aclnnRmsNormGradGetWorkspaceSize(tdy, tx, tr, tg, tdx, tdg, size, ex);
+         }, aclnnRmsNormGrad, workspace, stream);
+       }},
+      {"aclnnHardswishBackward", [&] {
+         return two_phase([&](uint64_t* size, aclOpExecutor** ex) {
+           return aclnnHardswishBackwardGetWorkspaceSize(tdy, tx, tout, size, ex);
+         }, aclnnHardswishBackward, workspace, stream);
+       }},
+      {"aclnnLayerNormBackward", [&] {
+         return two_phase([&](uint64_t* size, aclOpExecutor** ex) {
+           return aclnnLayerNormBackwardGetWorkspaceSize(tdy, tx, normalized, tmean, tr, tg, nullptr, mask, tdx, tdw,
+                                                         tdb, size, ex);
+         }, aclnnLayerNormBackward, workspace, stream);
+       }},
+      {"aclnnEmbeddingDenseBackward", [&] {
+         return two_phase([&](uint64_t* size, aclOpExecutor** ex) {
+           return aclnnEmbeddingDenseBackwardGetWorkspaceSize(tdy, tids, n, UINT64_MAX, false, ttable, size, ex);
+         }, aclnnEmbeddingDenseBackward, workspace, stream);
+       }},
+      {"aclnnMoeTokenPermuteGrad", [&] {  // 8 tokens, top-1: the rows back in token order
+         return two_phase([&](uint64_t* size, aclOpExecutor** ex) {
+           return aclnnMoeTokenPermuteGradGetWorkspaceSize(tdy, trows, 1, false, tout, size, ex);
+         }, aclnnMoeTokenPermuteGrad, workspace, stream);
+       }},
   };
-  for (int i = 0; i < 200; ++i) rms_norm_grad(), hardswish_backward();  // the first call starts Python
-  std::printf("{\"op\": \"aclnnRmsNormGrad\", \"shape\": \"8x8\", \"dtype\": \"float32\", \"us\": %.2f}\n",
-              median_us(rms_norm_grad, batches, per_batch));
-  std::printf("{\"op\": \"aclnnHardswishBackward\", \"shape\": \"8x8\", \"dtype\": \"float32\", \"us\": %.2f}\n",
-              median_us(hardswish_backward, batches, per_batch));
-  for (aclTensor* t : {tdy, tx, tr, tg, tdx, tdg, tout}) aclDestroyTensor(t);
+  for (int i = 0; i < 200; ++i) {  // the first call starts Python
+    for (auto& c : cases) c.call();
+  }
+  for (auto& c : cases) {
+    std::printf("{\"op\": \"%s\", \"shape\": \"8x8\", \"dtype\": \"float32\", \"us\": %.2f}\n", c.op,
+                median_us(c.call, batches, per_batch));
+  }
+  for (aclTensor* t : {tdy, tx, tr, tg, tdx, tdg, tout, tmean, tdw, tdb, tids, ttable, trows}) aclDestroyTensor(t);
+  aclDestroyIntArray(normalized);
+  aclDestroyBoolArray(mask);
   aclrtDestroyStream(stream);
   aclrtResetDevice(0);
   aclFinalize();

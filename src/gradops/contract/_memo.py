@@ -9,8 +9,8 @@ answer 2-3 µs (the key: four tensors' shape, dtype and device).
 What has no key, so the check runs in full each time: an argument that is not a plain tensor (a subclass or fake
 tensor has its own metadata rules), a tensor that is not strided (sparse), a tensor whose storage was freed or
 shrunk (:data:`gradops.contract._common.hollow`: a plan depends on metadata only, so this is asked on every call),
-or a value other than None, bool, int, float, str and a list or tuple of ints (a shape). A float NaN never equals
-itself, so a NaN epsilon always misses (and is checked).
+or a value other than None, bool, int, float, str and a list or tuple of ints (a shape) or of bools (a mask). A
+float NaN never equals itself, so a NaN epsilon always misses (and is checked).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def key_of(args: tuple, strides: bool = False) -> tuple | None:
             key.append((kind, a))
         elif kind in _SEQUENCES and all(type(v) is int for v in a):  # a shape argument (restore_shape)
             key.append((kind, tuple(a)))
+        elif kind in _SEQUENCES and a and all(type(v) is bool for v in a):  # a mask (outputMask): not ints
+            key.append((kind, bool, tuple(a)))
         else:
             return None
     return tuple(key)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
 from ...status import ACLNN_ERR_PARAM_INVALID, OpError
 from .contract import checked_indices
 from .ops import plan_embedding_dense_backward
@@ -68,16 +68,17 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
     # whatever grad's dtype, so grad widened to float32 at run time gives those sums unrounded, bit for bit.
     widen = out.dtype != grad.dtype
 
-    def args(idx, g=grad):
-        return g.reshape(rows, dim), idx, numWeights, padding, scaleGradByFreq
+    rows_of_grad = shaped(grad, rows, dim)  # made once: phase 2 runs on the layout phase 1 saw
 
     def compute(impl, kw):
         idx = checked_indices(indices, numWeights)  # reads the data present now (161002 if out of range)
-        return impl(*args(idx, grad.float() if widen else grad), **kw)
+        g = shaped(grad.float(), rows, dim) if widen else rows_of_grad
+        return impl(g, idx, numWeights, padding, scaleGradByFreq, **kw)
 
     # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
-    stand_in = torch.zeros((), dtype=torch.int64, device=device).expand(rows)
-    return prepare(_OP, device, called.backend, args(stand_in), compute, {"out": out},
+    stand_in = torch.empty(rows, dtype=torch.int64, device=device)
+    return prepare(_OP, device, called.backend, (rows_of_grad, stand_in, numWeights, padding, scaleGradByFreq),
+                   compute, {"out": out},
                    inputs={"grad": grad, "indices": indices})
 
 
