@@ -81,12 +81,12 @@ def _python_side() -> dict[str, tuple[float, float]]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads (default 1)")
     parser.add_argument("--out", default=None, help="the JSON-lines file (default benchmarks/results/...)")
     parser.add_argument("--no-save", action="store_true", help="print the records only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     from gradops.aclnn import capi
