@@ -4,8 +4,9 @@
 temporary folder, builds benchmarks/capi/two_phase.cpp against it with CANN's build line, and times phase 1 + phase 2
 of five operators (RmsNormGrad, HardswishBackward, LayerNormBackward, EmbeddingDenseBackward, MoeTokenPermuteGrad) on
 8 x 8 float32 tensors: from C (the embedded Python behind libopapi.so), from Python (gradops.aclnn, the same phases
-without the C layer) and the PyTorch API's call of the same op with ``out=`` (what a Python user pays). Medians of batches; one JSON line per op with the environment (CPU,
-versions, commit, date), into benchmarks/results/cann-c-cpu-<date>.jsonl by default.
+without the C layer) and the PyTorch API's call of the same op with ``out=`` (what a Python user pays). Medians of
+batches; one JSON line per op with the environment (CPU, versions, commit, date), into
+benchmarks/results/cann-c-cpu-<date>.jsonl by default.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ PHASES = {
     "rms_norm": (aclnn.aclnnRmsNormGetWorkspaceSize, aclnn.aclnnRmsNorm),
     "embedding_dense_backward": (aclnn.aclnnEmbeddingDenseBackwardGetWorkspaceSize, aclnn.aclnnEmbeddingDenseBackward),
     "hardswish_backward": (aclnn.aclnnHardswishBackwardGetWorkspaceSize, aclnn.aclnnHardswishBackward),
+    "hardswish": (aclnn.aclnnHardswishGetWorkspaceSize, aclnn.aclnnHardswish),
+    "embedding": (aclnn.aclnnEmbeddingGetWorkspaceSize, aclnn.aclnnEmbedding),
     "moe_token_permute_grad": (aclnn.aclnnMoeTokenPermuteGradGetWorkspaceSize, aclnn.aclnnMoeTokenPermuteGrad),
     "moe_token_permute": (aclnn.aclnnMoeTokenPermuteGetWorkspaceSize, aclnn.aclnnMoeTokenPermute),
 }
@@ -58,6 +60,14 @@ def emb_args(dtype=F32):
 def hsw_args(dtype=F32):
     x = torch.linspace(-5, 5, 24).reshape(4, 6).to(dtype)
     return [torch.randn(4, 6).to(dtype), x, torch.empty(4, 6, dtype=dtype)]
+
+
+def hs_args(dtype=F32):
+    return [torch.linspace(-5, 5, 24).reshape(4, 6).to(dtype), torch.empty(4, 6, dtype=dtype)]
+
+
+def lookup_args(dtype=F32):
+    return [torch.randn(7, 5).to(dtype), torch.tensor([[1, 6, 1], [0, 3, 2]]), torch.empty(2, 3, 5, dtype=dtype)]
 
 
 def moe_grad_args(dtype=F32):
@@ -101,6 +111,21 @@ CASES = [
     ("hardswish_backward", hsw_args, 0, torch.zeros(6, 4), INVALID, "gradOutput shape (no broadcasting)"),
     ("hardswish_backward", hsw_args, 2, torch.empty(24), INVALID, "out shape"),
     ("hardswish_backward", hsw_args, 2, torch.zeros(6).expand(4, 6), INVALID, "out a broadcast view"),
+    *[("hardswish", hs_args, i, None, NULL, f"null arg {i}") for i in range(2)],
+    ("hardswish", hs_args, 0, torch.zeros(4, 6, dtype=torch.float64), INVALID, "self float64"),
+    ("hardswish", hs_args, 1, torch.empty(4, 6, dtype=F16), INVALID, "out dtype"),
+    ("hardswish", hs_args, 1, torch.empty(6, 4), INVALID, "out shape"),
+    ("hardswish", hs_args, 0, torch.zeros(*[1] * 9), INVALID, "self of 9 dims"),
+    *[("embedding", lookup_args, i, None, NULL, f"null arg {i}") for i in range(3)],
+    ("embedding", lookup_args, 1, torch.tensor([[1.0, 6, 1], [0, 3, 2]]), INVALID, "float indices"),
+    ("embedding", lookup_args, 1, torch.tensor([[1, 6, 1], [0, 3, 2]], dtype=torch.int16), INVALID, "int16 indices"),
+    ("embedding", lookup_args, 0, torch.randn(35), INVALID, "weight 1-D"),
+    ("embedding", lookup_args, 2, torch.empty(2, 3, 5, dtype=F16), INVALID, "out dtype != weight"),
+    ("embedding", lookup_args, 2, torch.empty(6, 5), INVALID, "out shape"),
+    ("embedding", lookup_args, 2, torch.zeros(5).expand(2, 3, 5), INVALID, "out a broadcast view"),
+    ("embedding", lookup_args, 1, torch.zeros(*[1] * 8, dtype=torch.int64), INVALID, "indices of 8 dims"),
+    ("embedding", lookup_args, 1, torch.tensor([[1, 7, 1], [0, 3, 2]]), INVALID, "index past the table (phase 2)"),
+    ("embedding", lookup_args, 1, torch.tensor([[1, -1, 1], [0, 3, 2]]), INVALID, "negative index (phase 2)"),
     *[("moe_token_permute_grad", moe_grad_args, i, None, NULL, f"null arg {i}") for i in (0, 1, 4)],
     ("moe_token_permute_grad", moe_grad_args, 2, 0, INVALID, "numTopk 0"),
     ("moe_token_permute_grad", moe_grad_args, 2, 513, INVALID, "numTopk > 512"),
@@ -257,6 +282,9 @@ def aclnn_form(op: str, sample) -> tuple[list, list]:
     if op == "hardswish_backward":
         expected = [gradops.hardswish_backward(*a)]
         return [*a, torch.empty_like(expected[0])], expected
+    if op == "hardswish":
+        expected = [gradops.hardswish(*a)]
+        return [*a, torch.empty_like(expected[0])], expected
     if op == "moe_token_permute_grad":
         expected = [gradops.moe_token_permute_grad(*a)]
         return [*a, False, torch.empty_like(expected[0])], expected
@@ -275,7 +303,7 @@ def cann_only_refusal(op: str, sample) -> int:
     return 0
 
 
-SAMPLED = [(op, s) for op in PHASES for s in samples(op)]
+SAMPLED = [(op, s) for op in PHASES if op != "embedding" for s in samples(op)]  # the lookup: tests below
 
 
 @pytest.mark.parametrize("op,sample", SAMPLED, ids=[f"{op}-{s.name}" for op, s in SAMPLED])
@@ -286,6 +314,39 @@ def test_pytorch_api_samples_through_aclnn(backend, op, sample):
     if status == ACLNN_SUCCESS:
         for got, want in zip(args[-len(expected):], expected):
             assert torch.equal(got, want), f"{op}[{sample.name}]"
+
+
+@pytest.mark.parametrize("weight_dtype", [F32, F16, BF16, torch.float64, torch.int32, torch.int8, torch.bool,
+                                          torch.complex64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_embedding_gathers_the_rows_of_any_table_dtype(weight_dtype, index_dtype):
+    weight = (torch.randn(9, 4) * 3).to(weight_dtype)
+    indices = torch.tensor([[8, 0, 3], [3, 3, 1]], dtype=index_dtype)
+    out = torch.full((2, 3, 4), 5).to(weight_dtype)
+    assert call("embedding", weight, indices, out) == ACLNN_SUCCESS
+    assert torch.equal(out, weight[indices.long()])
+    if weight_dtype in (F32, F16, BF16):
+        assert torch.equal(out, gradops.embedding(weight, indices))
+
+
+def test_embedding_strided_tables_outs_and_scalar_or_empty_indices():
+    weight = torch.randn(6, 10)[:, ::2]  # non-contiguous table
+    out = torch.zeros(3, 10)[:, ::2]  # a non-contiguous out: written through a copy
+    assert call("embedding", weight, torch.tensor([5, 0, 2]), out) == ACLNN_SUCCESS
+    assert torch.equal(out, weight[[5, 0, 2]])
+    scalar_out = torch.empty(5)
+    assert call("embedding", weight, torch.tensor(4), scalar_out) == ACLNN_SUCCESS
+    assert torch.equal(scalar_out, weight[4])
+    assert call("embedding", weight, torch.zeros(0, 3, dtype=torch.int64), torch.empty(0, 3, 5)) == ACLNN_SUCCESS
+
+
+def test_lookup_index_out_of_range_is_refused_at_run_time_and_out_untouched():
+    weight, out = torch.randn(4, 3), torch.full((2, 3), 7.0)
+    status, size, executor = aclnn.aclnnEmbeddingGetWorkspaceSize(weight, torch.tensor([1, 4]), out)
+    assert status == ACLNN_SUCCESS and size == 0
+    assert aclnn.aclnnEmbedding(None, size, executor, None) == INVALID
+    assert "indices" in aclnn.aclGetRecentErrMsg() and "4" in aclnn.aclGetRecentErrMsg()
+    assert torch.equal(out, torch.full((2, 3), 7.0))
 
 
 def test_every_status_constant_is_exported():

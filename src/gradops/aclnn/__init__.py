@@ -19,9 +19,19 @@ same backend decision; the work runs in the implementation it chose.
 """
 
 from ..families.embedding.aclnn import C_API as _EMBEDDING_C
-from ..families.embedding.aclnn import aclnnEmbeddingDenseBackward, aclnnEmbeddingDenseBackwardGetWorkspaceSize
+from ..families.embedding.aclnn import (
+    aclnnEmbedding,
+    aclnnEmbeddingDenseBackward,
+    aclnnEmbeddingDenseBackwardGetWorkspaceSize,
+    aclnnEmbeddingGetWorkspaceSize,
+)
 from ..families.hardswish.aclnn import C_API as _HARDSWISH_C
-from ..families.hardswish.aclnn import aclnnHardswishBackward, aclnnHardswishBackwardGetWorkspaceSize
+from ..families.hardswish.aclnn import (
+    aclnnHardswish,
+    aclnnHardswishBackward,
+    aclnnHardswishBackwardGetWorkspaceSize,
+    aclnnHardswishGetWorkspaceSize,
+)
 from ..families.layer_norm.aclnn import C_API as _LAYER_NORM_C
 from ..families.layer_norm.aclnn import aclnnLayerNormBackward, aclnnLayerNormBackwardGetWorkspaceSize
 from ..families.moe.aclnn import C_API as _MOE_C
@@ -123,10 +133,14 @@ __all__ = [
     "aclGetRecentErrMsg",
     "aclOpExecutor",
     "aclSetAclOpExecutorRepeatable",
+    "aclnnEmbedding",
     "aclnnEmbeddingDenseBackward",
     "aclnnEmbeddingDenseBackwardGetWorkspaceSize",
+    "aclnnEmbeddingGetWorkspaceSize",
+    "aclnnHardswish",
     "aclnnHardswishBackward",
     "aclnnHardswishBackwardGetWorkspaceSize",
+    "aclnnHardswishGetWorkspaceSize",
     "aclnnLayerNormBackward",
     "aclnnLayerNormBackwardGetWorkspaceSize",
     "aclnnMoeTokenPermute",

@@ -1,4 +1,4 @@
-"""aclnnEmbeddingDenseBackward, two-phase (seed 001).
+"""aclnnEmbeddingDenseBackward (seed 001) and aclnnEmbedding, two-phase.
 
 Validation is :mod:`gradops.families.embedding.contract` with ``cann=True`` (nulls 161001; dtypes, ranks, shapes 161002;
 out must have grad's dtype, or float32 beside float16 / bfloat16 grad as CANN's own opapi tests expect, and shape
@@ -18,9 +18,9 @@ from torch import Tensor
 
 from ...aclnn._declare import CFunction
 from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
-from ...status import ACLNN_ERR_PARAM_INVALID, OpError
+from ...status import ACLNN_ERR_PARAM_INVALID, ACLNN_SUCCESS, OpError
 from .contract import checked_indices
-from .ops import plan_embedding_dense_backward
+from .ops import plan_embedding, plan_embedding_dense_backward
 
 _OP = "embedding_dense_backward"
 _UINT64 = 1 << 64
@@ -87,6 +87,43 @@ def aclnnEmbeddingDenseBackward(workspace, workspaceSize: int, executor: aclOpEx
     return execute(_OP, workspace, workspaceSize, executor, stream)
 
 
+def aclnnEmbeddingGetWorkspaceSize(weight: Tensor, indices: Tensor,
+                                   out: Tensor) -> tuple[int, int, aclOpExecutor | None]:
+    """Phase 1 of aclnnEmbedding: ``out[i...] = weight[indices[i...]]``, the rows gathered (ops-nn
+    ``index/embedding``).
+
+    Args:
+        weight: (V, E) of CANN's table (floats, bfloat16, integers, bool, complex); any strides.
+        indices: int32 / int64, 0-7 dims; read when the executor runs: a value outside ``[0, V)`` returns 161002 from
+            phase 2 with ``out`` untouched (CANN leaves such rows undefined; gradops reads nothing outside weight).
+        out: ``indices.shape + (E,)`` in weight's dtype; written by phase 2.
+
+    Returns:
+        ``(status, workspace_size, executor)``: 161001 for a None tensor, 161002 for a dtype, rank or shape outside
+        the table.
+    """
+    try:
+        plan(plan_embedding, weight, indices, -1, False, out=out)  # CANN's table (check_embedding, cann=True)
+    except OpError as e:
+        return refused(e)
+    rows = out.view(-1, weight.shape[1]) if out.is_contiguous() else None  # made once: phase 2 keeps the layout
+
+    def run(_workspace: Tensor | None) -> None:
+        idx = checked_indices(indices, weight.shape[0], op="embedding")  # the data present now (161002 if outside)
+        if rows is not None:
+            torch.index_select(weight, 0, idx, out=rows)
+        else:
+            out.copy_(weight.index_select(0, idx).view(out.shape))
+
+    return ACLNN_SUCCESS, 0, aclOpExecutor("embedding", "torch", weight.device, 0, run,
+                                           {"weight": weight, "indices": indices, "out": out})
+
+
+def aclnnEmbedding(workspace, workspaceSize: int, executor: aclOpExecutor | None, stream=None) -> int:
+    """Phase 2 of aclnnEmbedding."""
+    return execute("embedding", workspace, workspaceSize, executor, stream)
+
+
 #: The C declarations in CANN's words: what ``gradops cann-home`` writes and compiles (gradops.aclnn.capi).
 C_API = (
     CFunction(
@@ -94,4 +131,8 @@ C_API = (
         "aclnn_embedding_dense_backward.h",
         "const aclTensor *grad, const aclTensor *indices, uint64_t numWeights, uint64_t paddingIdx, "
         "bool scaleGradByFreq, const aclTensor *out"),
+    CFunction(
+        aclnnEmbeddingGetWorkspaceSize, aclnnEmbedding,
+        "aclnn_embedding.h",
+        "const aclTensor *weight, const aclTensor *indices, const aclTensor *out"),
 )

@@ -26,7 +26,9 @@ from ...contract._common import (
     require_present,
     require_rank,
     require_same_device,
+    require_same_dtype,
     require_shape,
+    require_writable,
     shape_text,
 )
 from ...status import ACLNN_ERR_PARAM_INVALID as INVALID
@@ -96,20 +98,38 @@ def require_out_dtype(op: str, name: str, out, grad) -> None:
                    + (" or float32" if len(allowed) > 1 else ""), dtype_name(out.dtype))
 
 
-def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False) -> None:
+#: aclnnEmbedding's weight dtypes (hicann/ops-nn's ``index/embedding/docs/aclnnEmbedding.md``): a gather, so
+#: integers, bool and complex tables too; its indices are int32 or int64.
+CANN_WEIGHT_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                      torch.uint8, torch.bool, torch.float64, torch.complex64, torch.complex128)
+CANN_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, *, out=None,
+                    cann: bool = False) -> None:
     """Validate the lookup ``embedding(weight, indices, padding_idx, scale_grad_by_freq)`` whose backward is
     aclnnEmbeddingDenseBackward: weight (V, E) float (float64 too: a PyTorch API only), indices of the nine index
-    dtypes with at most 7 dims (the output ``indices.shape + (E,)`` stays within 8)."""
+    dtypes with at most 7 dims (the output ``indices.shape + (E,)`` stays within 8).
+
+    With ``cann=True``, aclnnEmbedding's table (weight, indices, out): 161001 for a None tensor; 161002 for a weight
+    dtype outside :data:`CANN_WEIGHT_DTYPES`, indices not int32 / int64, out not of weight's dtype, a weight not
+    2-D, more than 7 index dims, an out not of shape ``indices.shape + (E,)`` or whose elements share memory."""
     op = "embedding"
-    require_present(op, weight=weight, indices=indices)
+    outs = {"out": out} if cann else {}
+    require_present(op, weight=weight, indices=indices, **outs)
     require_int(op, "padding_idx", padding_idx, int64=False)  # any int: outside [0, V) means none
     if not isinstance(scale_grad_by_freq, bool):
         raise fail(INVALID, op, "scale_grad_by_freq", "a bool", type(scale_grad_by_freq).__name__)
-    require_same_device(op, weight=weight, indices=indices)
-    require_dtype(op, "weight", weight, TORCH_FLOATS)
-    require_dtype(op, "indices", indices, INDEX_DTYPES)
+    require_same_device(op, weight=weight, indices=indices, **outs)
+    require_dtype(op, "weight", weight, CANN_WEIGHT_DTYPES if cann else TORCH_FLOATS)
+    require_dtype(op, "indices", indices, CANN_INDEX_DTYPES if cann else INDEX_DTYPES)
+    if cann:
+        require_same_dtype(op, "out", out, "weight", weight)
     require_rank(op, "weight", weight, 2, 2)
     require_rank(op, "indices", indices, 0, MAX_RANK - 1)
+    if cann:
+        require_shape(op, "out", out, (*indices.shape, weight.shape[1]), "indices' shape + (weight.shape[1],)")
+        require_writable(op, "out", out)
 
 
 def no_padding_outside_table(padding_idx: int, num_weights: int) -> int:
