@@ -4,14 +4,15 @@ workspace sizes, messages, results, over every sample of every op and their refu
 and the C layer's own checks refuse what C can get wrong.
 
 Building needs a C++ compiler and a Python with a shared libpython; where either is missing the tests skip with
-the reason. The four CANN examples are read from ``shared/cann-examples`` beside or inside the checkout (the
-documents' own programs, not copied here); where they are not, those tests skip.
+the reason. The four CANN examples are read from ``$GRADOPS_CANN_EXAMPLES`` or ``shared/cann-examples`` beside or
+inside the checkout (the documents' own programs, not copied here); where they are not, those four skip.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -29,7 +30,9 @@ from samples import samples
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-EXAMPLES = next((p for p in (ROOT / "shared" / "cann-examples", ROOT.parent / "shared" / "cann-examples")
+#: CANN's example programs: ``$GRADOPS_CANN_EXAMPLES``, else ``shared/cann-examples`` inside or beside the checkout.
+EXAMPLES = next((p for p in (Path(os.environ.get("GRADOPS_CANN_EXAMPLES", "/nonexistent")),
+                             ROOT / "shared" / "cann-examples", ROOT.parent / "shared" / "cann-examples")
                  if p.is_dir()), None)
 
 
@@ -129,7 +132,8 @@ def _printed(stdout: str) -> list[float]:
 
 def _example(home, tmp_path, name) -> subprocess.CompletedProcess:
     if EXAMPLES is None:
-        pytest.skip("CANN's examples are not beside this checkout (shared/cann-examples)")
+        pytest.skip("CANN's examples are not here: set GRADOPS_CANN_EXAMPLES or keep shared/cann-examples beside "
+                    "the checkout")
     return run(home, build(home, EXAMPLES / f"{name}.cpp", tmp_path / name))
 
 
@@ -562,6 +566,21 @@ def test_the_runtime_subset_checks_handles_and_bounds(lib):
     acl.aclrtGetMemInfo.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     assert acl.aclrtGetMemInfo(0, None, None) == 200001
     assert "not supported" in lib.message()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_tensors_over_c_memory_are_the_same_with_or_without_the_extension(dtype):
+    from gradops.aclnn.capi import bridge
+
+    base = (torch.arange(60) % 7).to(dtype)
+    for sizes, strides, offset in (((3, 4), (4, 1), 2), ((4, 3), (1, 5), 1), ((2, 0), (1, 1), 0), ((), (), 5)):
+        made = [make(base.data_ptr(), dtype, sizes, strides, offset)
+                for make in (bridge.from_address, bridge._from_address_python)]
+        want = base.as_strided(sizes, strides, offset)
+        for t in made:
+            assert t.shape == want.shape and t.dtype == dtype and torch.equal(t, want)
+            if want.numel():
+                assert t.data_ptr() == want.data_ptr()  # a view of the caller's memory, not a copy
 
 
 def test_float16_conversions_round_to_nearest_even(lib):
