@@ -153,18 +153,17 @@ def opapi_source(functions: tuple[CFunction, ...]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _cache_base() -> str:
-    return os.environ.get("GRADOPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gradops")
-
-
 def home_header() -> str:
-    """gradops_home.h: the interpreter and module path the embedded Python starts with (this process's)."""
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    """gradops_home.h: the interpreter, module path and kernel cache the embedded Python starts with (this
+    process's: the folder gradops is imported from comes first, so the list is never empty)."""
+    package_root = str(Path(__file__).resolve().parents[3])
+    paths = [package_root, *(p for p in sys.path if p and os.path.isdir(p) and p != package_root)]
+    cache = native.build_dir().parents[1]  # <cache>/native/<tag>: the extension this tree's bridge loads
     return "\n".join([
         "// Written by `gradops cann-home`: the Python that runs gradops for the C surface (the one that wrote it).",
         "#pragma once",
         f"static const char* const GRADOPS_PYTHON = {_c_string(sys.executable)};",
-        f"static const char* const GRADOPS_CACHE = {_c_string(_cache_base())};",
+        f"static const char* const GRADOPS_CACHE = {_c_string(str(cache))};",
         "static const char* const GRADOPS_PATHS[] = {" + ", ".join(_c_string(p) for p in paths) + "};", ""])
 
 

@@ -232,10 +232,15 @@ void start_python() {
   }
   {
     Gil gil;
+    // The module path of the process that wrote the tree, in front: the gradops it generated the entry points from
+    // is the one imported, whatever else the interpreter's own path holds.
     PyObject* path = PySys_GetObject("path");  // borrowed
+    Py_ssize_t front = 0;
     for (const char* entry : GRADOPS_PATHS) {
       PyObject* item = PyUnicode_DecodeFSDefault(entry);
-      if (item != nullptr && path != nullptr && PySequence_Contains(path, item) == 0) PyList_Append(path, item);
+      if (item != nullptr && path != nullptr && PySequence_Contains(path, item) == 0) {
+        PyList_Insert(path, front++, item);
+      }
       Py_XDECREF(item);
     }
     PyObject* module = PyImport_ImportModule("gradops.aclnn.capi.bridge");
