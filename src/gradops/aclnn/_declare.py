@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: C parameter type (without ``const`` and ``*``) -> the kind the C surface converts (nnopbase.cpp's ``Kind``).
+#: C parameter type (without ``const`` and ``*``) -> the kind the C surface converts (gradops_capi.h's ``Kind``).
 KINDS = {
     "aclTensor": "tensor",
     "aclIntArray": "int_array",

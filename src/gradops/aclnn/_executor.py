@@ -39,6 +39,7 @@ import torch
 
 from .. import _runtime, backend, registry
 from ..contract._common import Result, overlaps_itself
+from ..ops._direct import fit
 from ..ops._out import takes_out
 from ..ops._plan import CallPlan, Planner
 from ..spec import cann_arg
@@ -176,12 +177,6 @@ def aclDestroyAclOpExecutor(executor: aclOpExecutor | None) -> int:
 _ALIGN = 64
 
 
-def shaped(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    """``t`` in ``shape``: itself where it has that shape already (an 8 x 8 call's 2-D arguments: no view made, ~0.5
-    µs each), else its reshape (a view of the contiguous tensors the CANN-strict checks admit)."""
-    return t if t.shape == shape else t.reshape(shape)
-
-
 def plan(planner: Planner, *args, **outs: torch.Tensor) -> CallPlan:
     """Phase 1's validation and backend decision: the op's call plan (:mod:`gradops.ops._plan`, the one the
     functional API runs) with the CANN-strict check of the same table and the caller's out tensors.
@@ -247,7 +242,7 @@ def prepare(op: str, device: torch.device, choice: backend.Choice, size_args: Se
 
     # The outs' views in the result shapes, made once (phase 2 runs on the layouts phase 1 saw); None: carved from
     # the workspace at run time.
-    fixed = [shaped(t, *shape) if direct and t.is_contiguous() else None for t, shape in targets]
+    fixed = [fit(t, tuple(shape)) if direct and t.is_contiguous() else None for t, shape in targets]
     single = fixed[0] if len(fixed) == 1 and not carved else None
 
     def run(workspace: torch.Tensor | None) -> None:

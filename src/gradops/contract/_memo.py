@@ -15,6 +15,9 @@ float NaN never equals itself, so a NaN epsilon always misses (and is checked).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from . import _common
@@ -26,6 +29,18 @@ _STRIDED = torch.strided
 #: Plans kept per op. A training run uses a handful of shapes per op; a sweep over many shapes starts over
 #: when the table is full (a clear is cheaper than an LRU's bookkeeping on every hit).
 LIMIT = 256
+
+
+def remembered(table: dict, key: object, make: Callable[[], Any]) -> Any:
+    """``table[key]``, made by ``make()`` the first time (a refusal ``make`` raises is never remembered); the table
+    starts over when it holds :data:`LIMIT` entries."""
+    hit = table.get(key)
+    if hit is None:
+        hit = make()
+        if len(table) >= LIMIT:
+            table.clear()
+        table[key] = hit
+    return hit
 
 
 def key_of(args: tuple, strides: bool = False) -> tuple | None:

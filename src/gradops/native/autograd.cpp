@@ -128,7 +128,7 @@ std::vector<int64_t> int_tuple(PyObject* seq, const char* what) {
 }
 
 // A tensor over memory the caller owns (the C surface's aclTensor: gradops/aclnn/capi): address, dtype, sizes,
-// strides, offset in elements. The caller (nnopbase.cpp) has checked that the view lies inside the memory it was
+// strides, offset in elements. The caller (aclnn/capi/bridge.cpp) has checked that the view lies inside the memory it was
 // given; nothing is copied or freed here. ~0.4 µs where torch.frombuffer + as_strided cost ~6.
 PyObject* from_address(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS

@@ -7,7 +7,7 @@ CANN's host programs build against unchanged and run on the CPU.
     DIR/include/aclnn/acl_meta.h, aclnn_base.h      aclTensor and its kin, executors, the aclnn status codes
     DIR/include/aclnnop/aclnn_<op>.h                one per operator, generated from gradops.aclnn.C_API
     DIR/lib64/libascendcl.so                        the runtime subset (ascendcl.cpp)
-    DIR/lib64/libnnopbase.so                        the objects and the bridge into gradops.aclnn (nnopbase.cpp)
+    DIR/lib64/libnnopbase.so                        the objects, the bridge to gradops.aclnn (objects.cpp, bridge.cpp)
     DIR/lib64/libopapi.so                           the operators' entry points (generated: share/gradops/opapi.cpp)
     DIR/set_env.sh                                  ASCEND_HOME_PATH, LD_LIBRARY_PATH, as CANN's set_env.sh
 
@@ -39,7 +39,7 @@ _HERE = Path(__file__).parent
 STATIC_HEADERS = ("acl/acl.h", "acl/acl_base.h", "acl/acl_rt.h", "aclnn/acl_meta.h", "aclnn/aclnn_base.h")
 #: The three libraries, in link order, each with its sources and the libraries it links.
 LIBRARIES = (("ascendcl", ("ascendcl.cpp",), ()),
-             ("nnopbase", ("nnopbase.cpp",), ("ascendcl",)),
+             ("nnopbase", ("objects.cpp", "bridge.cpp"), ("ascendcl",)),
              ("opapi", ("opapi.cpp",), ("nnopbase", "ascendcl")))
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wno-unused-function")
 
@@ -212,12 +212,11 @@ def write_home(root: str | os.PathLike, functions: tuple[CFunction, ...] = C_API
     (share / "gradops_home.h").write_text(home_header())
     python = _python_link()
     _ensure_extension()
-    sources = {"ascendcl.cpp": _HERE / "ascendcl.cpp", "nnopbase.cpp": _HERE / "nnopbase.cpp",
-               "opapi.cpp": share / "opapi.cpp"}
     made = []
     for name, files, links in LIBRARIES:
         out = lib64 / f"lib{name}.so"
-        cmd = [compiler(), *CXXFLAGS, *[str(sources[f]) for f in files], "-o", str(out), f"-I{include}",
+        sources = [share / f if f == "opapi.cpp" else _HERE / f for f in files]  # opapi.cpp is generated
+        cmd = [compiler(), *CXXFLAGS, *map(str, sources), "-o", str(out), f"-I{include}",
                f"-I{_HERE}", f"-I{share}", f"-L{lib64}", "-Wl,-rpath,$ORIGIN", *[f"-l{lib}" for lib in links]]
         if name == "nnopbase":
             cmd += python

@@ -1,5 +1,5 @@
-"""What libnnopbase.so reads from Python when it starts (see nnopbase.cpp): the operators' phases by CANN name, the
-aclDataType -> torch dtype table, and the function that makes a tensor over the caller's memory.
+"""What libnnopbase.so reads from Python when it starts (its C half: bridge.cpp): the operators' phases by CANN name,
+the aclDataType -> torch dtype table, and the function that makes a tensor over the caller's memory.
 
 Nothing here validates or computes: the phases are :mod:`gradops.aclnn`'s, unchanged.
 """
@@ -49,6 +49,6 @@ def _native_from_address():
         return None
 
 
-#: ``(address, dtype, sizes, strides, offset) -> Tensor`` over memory the C caller owns (nnopbase.cpp has checked
+#: ``(address, dtype, sizes, strides, offset) -> Tensor`` over memory the C caller owns (bridge.cpp has checked
 #: the view against its storage): the native extension's where it is loaded (~0.4 µs), else the Python form.
 from_address = _native_from_address() or _from_address_python

@@ -17,12 +17,15 @@ import torch
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...contract._memo import remembered
+from ...ops._direct import fit
 from ...status import ACLNN_ERR_PARAM_INVALID, ACLNN_SUCCESS, OpError
 from .contract import checked_indices
 from .ops import plan_embedding, plan_embedding_dense_backward
 
 _OP = "embedding_dense_backward"
+_stand_ins: dict[tuple, Tensor] = {}
 _UINT64 = 1 << 64
 _INT64_MIN = -(1 << 63)
 
@@ -68,15 +71,17 @@ def aclnnEmbeddingDenseBackwardGetWorkspaceSize(grad: Tensor, indices: Tensor, n
     # whatever grad's dtype, so grad widened to float32 at run time gives those sums unrounded, bit for bit.
     widen = out.dtype != grad.dtype
 
-    rows_of_grad = shaped(grad, rows, dim)  # made once: phase 2 runs on the layout phase 1 saw
+    rows_of_grad = fit(grad, (rows, dim))  # made once: phase 2 runs on the layout phase 1 saw
 
     def compute(impl, kw):
         idx = checked_indices(indices, numWeights)  # reads the data present now (161002 if out of range)
-        g = shaped(grad.float(), rows, dim) if widen else rows_of_grad
+        g = fit(grad.float(), (rows, dim)) if widen else rows_of_grad
         return impl(g, idx, numWeights, padding, scaleGradByFreq, **kw)
 
-    # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape.
-    stand_in = torch.empty(rows, dtype=torch.int64, device=device)
+    # The converted indices exist only at run time; the workspace hook gets an int64 stand-in of their shape (one
+    # element of storage, kept per shape: the hooks read metadata only).
+    stand_in = remembered(_stand_ins, (rows, device),
+                          lambda: torch.empty((), dtype=torch.int64, device=device).expand(rows))
     return prepare(_OP, device, called.backend, (rows_of_grad, stand_in, numWeights, padding, scaleGradByFreq),
                    compute, {"out": out},
                    inputs={"grad": grad, "indices": indices})

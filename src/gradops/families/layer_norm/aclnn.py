@@ -49,7 +49,7 @@ from ...contract._common import (
     require_same_dtype,
     shape_text,
 )
-from ...contract._memo import LIMIT, key_of
+from ...contract._memo import key_of, remembered
 from ...status import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ACLNN_SUCCESS, OpError
 from .ops import layer_norm_backward, plan_layer_norm_backward
 
@@ -157,25 +157,12 @@ _stand_ins: dict[tuple, Tensor] = {}
 
 def _remembered_check(*args) -> tuple[int, int, tuple[bool, bool, bool]]:
     key = key_of(args, strides=True)
-    if key is None:
-        return check(*args)
-    hit = _checked.get(key)
-    if hit is None:
-        hit = check(*args)
-        if len(_checked) >= LIMIT:
-            _checked.clear()
-        _checked[key] = hit
-    return hit
+    return check(*args) if key is None else remembered(_checked, key, lambda: check(*args))
 
 
 def _like(dtype: torch.dtype, device: torch.device, *shape: int) -> Tensor:
-    key = (dtype, shape, device)
-    t = _stand_ins.get(key)
-    if t is None:
-        if len(_stand_ins) >= LIMIT:
-            _stand_ins.clear()
-        t = _stand_ins[key] = torch.empty(1, dtype=dtype, device=device).expand(*shape)
-    return t
+    return remembered(_stand_ins, (dtype, shape, device),
+                      lambda: torch.empty(1, dtype=dtype, device=device).expand(*shape))
 
 
 class _Carver:

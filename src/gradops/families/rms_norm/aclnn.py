@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...ops._direct import fit
 from ...status import OpError
 from .ops import plan_rms_norm, plan_rms_norm_grad
 
@@ -35,7 +36,7 @@ def aclnnRmsNormGradGetWorkspaceSize(dy: Tensor, x: Tensor, rstd: Tensor, gamma:
         return refused(e)
     rows, cols, _ = called.shape
     # Views made once: phase 2 runs only on tensors whose layout phase 1 saw (gradops.aclnn._executor._changed).
-    views = shaped(dy, rows, cols), shaped(x, rows, cols), shaped(rstd, rows), shaped(gamma, cols)
+    views = fit(dy, (rows, cols)), fit(x, (rows, cols)), fit(rstd, (rows,)), fit(gamma, (cols,))
 
     def compute(impl, kw):
         return impl(*views, **kw)
@@ -67,7 +68,7 @@ def aclnnRmsNormGetWorkspaceSize(x: Tensor, gamma: Tensor, epsilon: float, yOut:
     except OpError as e:
         return refused(e)
     rows, cols, _ = called.shape
-    views = shaped(x, rows, cols), shaped(gamma, cols), float(epsilon)
+    views = fit(x, (rows, cols)), fit(gamma, (cols,)), float(epsilon)
 
     def compute(impl, kw):
         return impl(*views, **kw)

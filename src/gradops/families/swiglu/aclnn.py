@@ -10,7 +10,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ...aclnn._declare import CFunction
-from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused, shaped
+from ...aclnn._executor import aclOpExecutor, execute, plan, prepare, refused
+from ...ops._direct import fit
 from ...status import OpError
 from .ops import plan_swiglu, plan_swiglu_grad
 
@@ -32,7 +33,7 @@ def aclnnSwiGluGetWorkspaceSize(x: Tensor, dim: int, out: Tensor) -> tuple[int, 
         return refused(e)
     rows, cols = called.shape.rows, called.shape.cols
 
-    views = shaped(x, rows, 2 * cols), -1  # made once: phase 2 runs only on the layout phase 1 saw
+    views = fit(x, (rows, 2 * cols)), -1  # made once: phase 2 runs only on the layout phase 1 saw
 
     def compute(impl, kw):
         return impl(*views, **kw)
@@ -65,7 +66,7 @@ def aclnnSwiGluGradGetWorkspaceSize(yGrad: Tensor, x: Tensor, dim: int,
         return refused(e)
     rows, cols = called.shape.rows, called.shape.cols
 
-    views = shaped(yGrad, rows, cols), shaped(x, rows, 2 * cols), -1
+    views = fit(yGrad, (rows, cols)), fit(x, (rows, 2 * cols)), -1
 
     def compute(impl, kw):
         return impl(*views, **kw)

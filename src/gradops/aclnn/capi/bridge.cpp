@@ -1,139 +1,35 @@
-// libnnopbase.so: the aclnn objects (tensors over the caller's memory, arrays, scalars, executors) and the bridge
-// that runs every operator's two phases in gradops.aclnn (one contract: the statuses, workspace sizes, messages and
-// results are the Python surface's, from the same validation tables).
+// libnnopbase's bridge: every operator's two phases run in gradops.aclnn (one contract: the statuses, workspace
+// sizes, messages and results are the Python surface's, from the same validation tables), and the executors.
 //
-// The bridge embeds CPython (the interpreter `gradops cann-home` ran in, GRADOPS_PYTHON in gradops_home.h), started
-// at the first operator call or by aclnnInit; in a process that is already Python (ctypes) it uses that one. Each
-// call takes the GIL, so host threads may call at once: each has its own executors and error message, and their
-// Python work runs one at a time (the kernels themselves use torch's thread pool).
+// It embeds CPython (the interpreter `gradops cann-home` ran in, GRADOPS_PYTHON in gradops_home.h), started at the
+// first operator call or by aclnnInit; in a process that is already Python (ctypes) it uses that one. Each call takes
+// the GIL, so host threads may call at once: each has its own executors and error message, and their Python work
+// runs one at a time (the kernels themselves use torch's thread pool).
 //
-// What the C layer checks itself, because C gives what Python cannot: that every object pointer is one this library
-// made and has not destroyed (a registry, not a dereference), that a tensor's view lies inside its storage, and,
-// where the storage is an aclrtMalloc block, inside that block; executors are ids that are never reused, so a spent
-// or destroyed one is refused instead of dereferenced.
+// What the C layer checks itself, because C gives what Python cannot: that every object is live (objects.cpp), that a
+// tensor's storage lies inside the aclrtMalloc block holding it, formats that name plain strided memory; executors
+// are ids that are never reused, so a spent or destroyed one is refused instead of dereferenced.
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "objects.h"
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
-#include "gradops_capi.h"
 #include "gradops_home.h"
 
 using gradops_capi::Arg;
+using gradops_capi::dtype_name;
 using gradops_capi::Kind;
+using gradops_capi::live;
+using gradops_capi::Object;
 using gradops_capi::Op;
-
-struct aclTensor {
-  std::vector<int64_t> view, strides, storage;
-  int64_t offset;
-  aclDataType dtype;
-  aclFormat format;
-  void* data;
-  // The torch tensor over the same memory, made at the first operator call that reads it and kept (under the GIL)
-  // until aclDestroyTensor: an aclTensor never changes, and making one costs ~1 µs of a call's budget.
-  PyObject* python = nullptr;
-};
-struct aclIntArray {
-  std::vector<int64_t> values;
-};
-struct aclBoolArray {
-  std::vector<uint8_t> values;
-};
-struct aclFloatArray {
-  std::vector<float> values;
-};
-struct aclScalar {
-  aclDataType dtype;
-  unsigned char bytes[16];
-};
-struct aclTensorList {
-  std::vector<const aclTensor*> items;
-};
+using gradops_capi::refuse;
 
 namespace {
-
-// ---- the registry of live objects (created and destroyed without the GIL: its own mutex) ----
-
-enum class Object { Tensor, IntArray, BoolArray, FloatArray, Scalar, TensorList };
-
-std::mutex objects_mutex;
-std::unordered_map<const void*, Object>& objects() {
-  static auto* o = new std::unordered_map<const void*, Object>();
-  return *o;
-}
-
-template <class T>
-T* adopt(T* made, Object kind) {
-  std::lock_guard<std::mutex> lock(objects_mutex);
-  objects()[made] = kind;
-  return made;
-}
-
-bool live(const void* p, Object kind) {
-  std::lock_guard<std::mutex> lock(objects_mutex);
-  auto it = objects().find(p);
-  return it != objects().end() && it->second == kind;
-}
-
-template <class T>
-aclnnStatus destroy(const T* p, Object kind, const char* api) {
-  if (p == nullptr) return ACLNN_SUCCESS;  // CANN's destroy functions accept nullptr
-  {
-    std::lock_guard<std::mutex> lock(objects_mutex);
-    auto it = objects().find(p);
-    if (it == objects().end() || it->second != kind) {
-      gradops_set_error((std::string(api) + ": the pointer is not one this library made, or it was destroyed [" +
-                         std::to_string(ACLNN_ERR_PARAM_INVALID) + "]").c_str());
-      return ACLNN_ERR_PARAM_INVALID;
-    }
-    objects().erase(it);
-  }
-  delete p;
-  return ACLNN_SUCCESS;
-}
-
-aclnnStatus refuse(aclnnStatus status, const std::string& message) {
-  static const std::unordered_map<int, const char*> names = {
-      {ACLNN_ERR_PARAM_NULLPTR, "ACLNN_ERR_PARAM_NULLPTR"}, {ACLNN_ERR_PARAM_INVALID, "ACLNN_ERR_PARAM_INVALID"},
-      {ACLNN_ERR_INNER, "ACLNN_ERR_INNER"}, {ACLNN_ERR_INNER_OP_NOT_REGISTERED, "ACLNN_ERR_INNER_OP_NOT_REGISTERED"}};
-  auto it = names.find(status);
-  gradops_set_error((message + " [" + (it != names.end() ? it->second : "ACLNN") + " " + std::to_string(status) +
-                     "]").c_str());
-  return status;
-}
-
-const char* dtype_name(aclDataType t) {
-  switch (t) {
-    case ACL_FLOAT: return "ACL_FLOAT";
-    case ACL_FLOAT16: return "ACL_FLOAT16";
-    case ACL_INT8: return "ACL_INT8";
-    case ACL_INT32: return "ACL_INT32";
-    case ACL_UINT8: return "ACL_UINT8";
-    case ACL_INT16: return "ACL_INT16";
-    case ACL_UINT16: return "ACL_UINT16";
-    case ACL_UINT32: return "ACL_UINT32";
-    case ACL_INT64: return "ACL_INT64";
-    case ACL_UINT64: return "ACL_UINT64";
-    case ACL_DOUBLE: return "ACL_DOUBLE";
-    case ACL_BOOL: return "ACL_BOOL";
-    case ACL_STRING: return "ACL_STRING";
-    case ACL_COMPLEX64: return "ACL_COMPLEX64";
-    case ACL_COMPLEX128: return "ACL_COMPLEX128";
-    case ACL_BF16: return "ACL_BF16";
-    case ACL_INT4: return "ACL_INT4";
-    case ACL_UINT1: return "ACL_UINT1";
-    case ACL_COMPLEX32: return "ACL_COMPLEX32";
-    default: return "an unknown aclDataType";
-  }
-}
 
 // The ND family: formats that name the dims of a plain strided layout. The others (NC1HWC0, FRACTAL_Z / NZ, ...)
 // are Ascend's private tiled layouts, whose bytes are not the view's.
@@ -144,8 +40,6 @@ bool plain_format(aclFormat f) {
     default: return false;
   }
 }
-
-bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
 // ---- the Python side (every member below is used with the GIL held) ----
 
@@ -291,12 +185,15 @@ Entry* entry_of(Op* op, aclnnStatus* status) {
   return entry;
 }
 
-PyObject* int_tuple(const std::vector<int64_t>& v) {
+// A tuple of each value of v made a Python object by make.
+template <class T, class Make>
+PyObject* tuple_of(const std::vector<T>& v, Make make) {
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
-  if (t == nullptr) return nullptr;
-  for (size_t i = 0; i < v.size(); ++i) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(v[i]));
+  for (size_t i = 0; t != nullptr && i < v.size(); ++i) PyTuple_SET_ITEM(t, i, make(v[i]));
   return t;
 }
+
+PyObject* int_tuple(const std::vector<int64_t>& v) { return tuple_of(v, PyLong_FromLongLong); }
 
 PyObject* tensor_over(void* data, PyObject* dtype, PyObject* sizes, PyObject* strides, int64_t offset) {
   PyObject* address = PyLong_FromVoidPtr(data);
@@ -329,18 +226,12 @@ PyObject* convert(const Op* op, int32_t index, const Arg& a, aclnnStatus* status
     case Kind::BoolArray: {
       if (a.object == nullptr) Py_RETURN_NONE;
       if (!live(a.object, Object::BoolArray)) break;
-      const auto& v = static_cast<const aclBoolArray*>(a.object)->values;
-      PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
-      for (size_t i = 0; t != nullptr && i < v.size(); ++i) PyTuple_SET_ITEM(t, i, PyBool_FromLong(v[i]));
-      return t;
+      return tuple_of(static_cast<const aclBoolArray*>(a.object)->values, [](uint8_t v) { return PyBool_FromLong(v); });
     }
     case Kind::FloatArray: {
       if (a.object == nullptr) Py_RETURN_NONE;
       if (!live(a.object, Object::FloatArray)) break;
-      const auto& v = static_cast<const aclFloatArray*>(a.object)->values;
-      PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
-      for (size_t i = 0; t != nullptr && i < v.size(); ++i) PyTuple_SET_ITEM(t, i, PyFloat_FromDouble(v[i]));
-      return t;
+      return tuple_of(static_cast<const aclFloatArray*>(a.object)->values, PyFloat_FromDouble);
     }
     case Kind::Tensor: {
       if (a.object == nullptr) Py_RETURN_NONE;
@@ -359,8 +250,7 @@ PyObject* convert(const Op* op, int32_t index, const Arg& a, aclnnStatus* status
                          ", a private Ascend layout; gradops reads the ND family (ND, NCHW, NHWC, NCDHW, ...)");
         return nullptr;
       }
-      int64_t elements = 1;
-      for (int64_t d : t->storage) mul_ok(elements, d, &elements);
+      const int64_t elements = t->storage_elements;
       const int64_t bytes = elements * static_cast<int64_t>(aclDataTypeSize(t->dtype));
       if (t->data == nullptr && bytes > 0) {
         *status = refuse(ACLNN_ERR_PARAM_NULLPTR, where + " has no memory (tensorData is nullptr) for its " +
@@ -437,6 +327,12 @@ void settle(uintptr_t id, PyObject* executor) {
 }
 
 }  // namespace
+
+void gradops_capi::release_python(PyObject* tensor) {
+  if (!Py_IsInitialized()) return;
+  Gil gil;
+  Py_DECREF(tensor);
+}
 
 extern "C" {
 
@@ -533,186 +429,6 @@ aclnnStatus gradops_phase2(Op* op, void* workspace, uint64_t workspaceSize, aclO
 
 aclnnStatus aclnnInit(const char* /*configPath*/) { return ensure_started("aclnnInit"); }
 aclnnStatus aclnnFinalize(void) { return ACLNN_SUCCESS; }
-
-aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDataType dataType, const int64_t* stride,
-                           int64_t offset, aclFormat format, const int64_t* storageDims, uint64_t storageDimsNum,
-                           void* tensorData) {
-  auto no = [](const std::string& why) -> aclTensor* {
-    refuse(ACLNN_ERR_PARAM_INVALID, "aclCreateTensor: " + why);
-    return nullptr;
-  };
-  if (viewDimsNum > 64 || storageDimsNum > 64) return no("at most 64 dims");
-  if ((viewDims == nullptr && viewDimsNum > 0) || (storageDims == nullptr && storageDimsNum > 0)) {
-    return no("viewDims / storageDims is nullptr with a nonzero count");
-  }
-  if (aclDataTypeSize(dataType) == 0) return no(std::string("dataType ") + dtype_name(dataType) + " has no size");
-  if (offset < 0) return no("offset must be >= 0, got " + std::to_string(offset));
-  auto* t = new aclTensor{std::vector<int64_t>(viewDims, viewDims + viewDimsNum), {}, {}, offset, dataType, format,
-                          tensorData};
-  if (stride != nullptr) {
-    t->strides.assign(stride, stride + viewDimsNum);
-  } else {  // contiguous
-    t->strides.assign(viewDimsNum, 1);
-    for (int64_t i = static_cast<int64_t>(viewDimsNum) - 2; i >= 0; --i) t->strides[i] = t->strides[i + 1] * t->view[i + 1];
-  }
-  // The view's last element, offset + sum((size - 1) * stride), must lie inside the storage.
-  int64_t last = offset, elements = 1;
-  bool empty = false, ok = true;
-  for (uint64_t i = 0; i < viewDimsNum; ++i) {
-    if (t->view[i] < 0 || t->strides[i] < 0) ok = false;
-    if (t->view[i] == 0) empty = true;
-    int64_t step = 0;
-    if (t->view[i] > 0 && (!mul_ok(t->view[i] - 1, t->strides[i], &step) || __builtin_add_overflow(last, step, &last))) {
-      ok = false;
-    }
-  }
-  if (!ok) {
-    delete t;
-    return no("view dims and strides must be >= 0 (and their extent must fit in int64)");
-  }
-  if (storageDims != nullptr) {
-    t->storage.assign(storageDims, storageDims + storageDimsNum);
-  } else {
-    t->storage = {empty ? 0 : last + 1};
-  }
-  for (int64_t d : t->storage) {
-    if (d < 0 || !mul_ok(elements, d, &elements)) {
-      delete t;
-      return no("storage dims must be >= 0 (and their product must fit in int64)");
-    }
-  }
-  if (!empty && last >= elements) {
-    delete t;
-    return no("the view (offset " + std::to_string(offset) + ", last element at " + std::to_string(last) +
-              ") runs past its storage of " + std::to_string(elements) + " elements");
-  }
-  return adopt(t, Object::Tensor);
-}
-
-aclScalar* aclCreateScalar(void* value, aclDataType dataType) {
-  const size_t size = aclDataTypeSize(dataType);
-  if (value == nullptr || size == 0 || size > 16) {
-    refuse(ACLNN_ERR_PARAM_INVALID, "aclCreateScalar: value is nullptr or dataType has no size");
-    return nullptr;
-  }
-  auto* s = new aclScalar{dataType, {}};
-  std::memcpy(s->bytes, value, size);
-  return adopt(s, Object::Scalar);
-}
-
-aclIntArray* aclCreateIntArray(const int64_t* value, uint64_t size) {
-  if (value == nullptr && size > 0) return nullptr;
-  return adopt(new aclIntArray{std::vector<int64_t>(value, value + size)}, Object::IntArray);
-}
-
-aclFloatArray* aclCreateFloatArray(const float* value, uint64_t size) {
-  if (value == nullptr && size > 0) return nullptr;
-  return adopt(new aclFloatArray{std::vector<float>(value, value + size)}, Object::FloatArray);
-}
-
-aclBoolArray* aclCreateBoolArray(const bool* value, uint64_t size) {
-  if (value == nullptr && size > 0) return nullptr;
-  auto* a = new aclBoolArray{};
-  for (uint64_t i = 0; i < size; ++i) a->values.push_back(value[i] ? 1 : 0);
-  return adopt(a, Object::BoolArray);
-}
-
-aclTensorList* aclCreateTensorList(const aclTensor* const* value, uint64_t size) {
-  if (value == nullptr && size > 0) return nullptr;
-  return adopt(new aclTensorList{std::vector<const aclTensor*>(value, value + size)}, Object::TensorList);
-}
-
-aclnnStatus aclDestroyTensor(const aclTensor* tensor) {
-  PyObject* python = tensor != nullptr && live(tensor, Object::Tensor) ? tensor->python : nullptr;
-  const aclnnStatus status = destroy(tensor, Object::Tensor, "aclDestroyTensor");
-  if (status == ACLNN_SUCCESS && python != nullptr && Py_IsInitialized()) {  // an executor may still hold it
-    Gil gil;
-    Py_DECREF(python);
-  }
-  return status;
-}
-aclnnStatus aclDestroyScalar(const aclScalar* scalar) { return destroy(scalar, Object::Scalar, "aclDestroyScalar"); }
-aclnnStatus aclDestroyIntArray(const aclIntArray* array) {
-  return destroy(array, Object::IntArray, "aclDestroyIntArray");
-}
-aclnnStatus aclDestroyFloatArray(const aclFloatArray* array) {
-  return destroy(array, Object::FloatArray, "aclDestroyFloatArray");
-}
-aclnnStatus aclDestroyBoolArray(const aclBoolArray* array) {
-  return destroy(array, Object::BoolArray, "aclDestroyBoolArray");
-}
-aclnnStatus aclDestroyTensorList(const aclTensorList* array) {
-  return destroy(array, Object::TensorList, "aclDestroyTensorList");
-}
-
-}  // extern "C"
-
-namespace {
-aclnnStatus give_dims(const aclTensor* tensor, const std::vector<int64_t> aclTensor::*field, int64_t** out,
-                      uint64_t* count, const char* api) {
-  if (out == nullptr || count == nullptr) return refuse(ACLNN_ERR_PARAM_NULLPTR, std::string(api) + ": nullptr out");
-  if (!live(tensor, Object::Tensor)) return refuse(ACLNN_ERR_PARAM_INVALID, std::string(api) + ": unknown tensor");
-  const auto& v = tensor->*field;
-  *out = new int64_t[v.empty() ? 1 : v.size()];
-  std::copy(v.begin(), v.end(), *out);
-  *count = v.size();
-  return ACLNN_SUCCESS;
-}
-
-template <class A>
-aclnnStatus give_size(const A* array, Object kind, uint64_t* size, const char* api) {
-  if (size == nullptr) return refuse(ACLNN_ERR_PARAM_NULLPTR, std::string(api) + ": size is nullptr");
-  if (!live(array, kind)) return refuse(ACLNN_ERR_PARAM_INVALID, std::string(api) + ": unknown array");
-  if constexpr (std::is_same_v<A, aclTensorList>) {
-    *size = array->items.size();
-  } else {
-    *size = array->values.size();
-  }
-  return ACLNN_SUCCESS;
-}
-}  // namespace
-
-extern "C" {
-
-aclnnStatus aclGetViewShape(const aclTensor* tensor, int64_t** viewDims, uint64_t* viewDimsNum) {
-  return give_dims(tensor, &aclTensor::view, viewDims, viewDimsNum, "aclGetViewShape");
-}
-aclnnStatus aclGetStorageShape(const aclTensor* tensor, int64_t** storageDims, uint64_t* storageDimsNum) {
-  return give_dims(tensor, &aclTensor::storage, storageDims, storageDimsNum, "aclGetStorageShape");
-}
-aclnnStatus aclGetViewStrides(const aclTensor* tensor, int64_t** stridesValue, uint64_t* stridesNum) {
-  return give_dims(tensor, &aclTensor::strides, stridesValue, stridesNum, "aclGetViewStrides");
-}
-aclnnStatus aclGetViewOffset(const aclTensor* tensor, int64_t* offset) {
-  if (offset == nullptr) return refuse(ACLNN_ERR_PARAM_NULLPTR, "aclGetViewOffset: offset is nullptr");
-  if (!live(tensor, Object::Tensor)) return refuse(ACLNN_ERR_PARAM_INVALID, "aclGetViewOffset: unknown tensor");
-  *offset = tensor->offset;
-  return ACLNN_SUCCESS;
-}
-aclnnStatus aclGetFormat(const aclTensor* tensor, aclFormat* format) {
-  if (format == nullptr) return refuse(ACLNN_ERR_PARAM_NULLPTR, "aclGetFormat: format is nullptr");
-  if (!live(tensor, Object::Tensor)) return refuse(ACLNN_ERR_PARAM_INVALID, "aclGetFormat: unknown tensor");
-  *format = tensor->format;
-  return ACLNN_SUCCESS;
-}
-aclnnStatus aclGetDataType(const aclTensor* tensor, aclDataType* dataType) {
-  if (dataType == nullptr) return refuse(ACLNN_ERR_PARAM_NULLPTR, "aclGetDataType: dataType is nullptr");
-  if (!live(tensor, Object::Tensor)) return refuse(ACLNN_ERR_PARAM_INVALID, "aclGetDataType: unknown tensor");
-  *dataType = tensor->dtype;
-  return ACLNN_SUCCESS;
-}
-aclnnStatus aclGetIntArraySize(const aclIntArray* array, uint64_t* size) {
-  return give_size(array, Object::IntArray, size, "aclGetIntArraySize");
-}
-aclnnStatus aclGetBoolArraySize(const aclBoolArray* array, uint64_t* size) {
-  return give_size(array, Object::BoolArray, size, "aclGetBoolArraySize");
-}
-aclnnStatus aclGetFloatArraySize(const aclFloatArray* array, uint64_t* size) {
-  return give_size(array, Object::FloatArray, size, "aclGetFloatArraySize");
-}
-aclnnStatus aclGetTensorListSize(const aclTensorList* tensorList, uint64_t* size) {
-  return give_size(tensorList, Object::TensorList, size, "aclGetTensorListSize");
-}
 
 aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
   aclnnStatus status = ensure_started("aclSetAclOpExecutorRepeatable");
